@@ -1,0 +1,182 @@
+"""The job pipeline's overhead on the GPU: `deepinfer-job submit` (Ray Data + engine actors) vs the engine
+alone, and length-sorted vs unsorted batches. Same rows, same model, same sampling in every arm.
+
+Run on a CUDA machine (1 GPU per engine actor; --engines defaults to every visible GPU):
+    python benchmarks/bench_pipeline.py --shape llama-3.2-1b --rows 4096 --out pipeline.json
+    python benchmarks/bench_pipeline.py --model /models/Llama-3.1-8B-Instruct --rows 2048
+
+Arms:
+  engine    LLM.generate over all pre-tokenized prompts at once (one process, one GPU): the ceiling.
+  sorted    the full pipeline (read -> prompt -> tokenize + length sort over the whole input -> engines).
+  unsorted  the same with runtime.sort_window=1 (engine batches take rows in input order).
+With --engines N > 1 the pipeline arms spread over N GPUs while `engine` uses one: compare per GPU.
+
+Model: --shape writes a random-weight Llama-family checkpoint (safetensors, bf16) with deepinfer's demo
+tokenizer; --model uses a local checkpoint. Prompts are demo-corpus text of mixed lengths (--min-words ..
+--max-words, seeded), outputs forced to --output-len tokens (ignore_eos) so every arm does the same work.
+Record results in benchmarks/RESULTS.md with the command, date and GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+
+
+def write_random_checkpoint(shape: str, root: Path) -> Path:
+    """A Llama checkpoint with random bf16 weights (HF names) and the demo tokenizer."""
+    import torch
+    from deepinfer.engine.demo_model import demo_config, write_tokenizer_files
+    from safetensors.torch import save_file
+
+    d = root / shape
+    d.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(d)
+    cfg = demo_config(SHAPES[shape]["vocab_size"], 0, 1, 4)
+    cfg.update(SHAPES[shape], max_position_embeddings=8192, torch_dtype="bfloat16")
+    cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 3]}))
+    h, inter, vocab, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*s: int):
+        return (torch.randn(*s, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+
+    sd = {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h),
+          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+                   p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
+                   p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                   p + "mlp.down_proj.weight": rand(h, inter),
+                   p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                   p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def write_rows(path: Path, n: int, min_words: int, max_words: int, seed: int) -> None:
+    from importlib import resources
+
+    words = resources.files("deepinfer.engine").joinpath("data/demo_corpus.txt").read_text().split()
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            k = rng.randint(min_words, max_words)
+            start = rng.randrange(0, len(words) - k)
+            f.write(json.dumps({"id": i, "text": " ".join(words[start:start + k])}) + "\n")
+
+
+def spec_doc(model_dir: str, data: Path, out: Path, args: argparse.Namespace, sort_window: int) -> dict:
+    return {
+        "model": {"path": model_dir, "dtype": "bfloat16", "max_model_len": args.max_model_len},
+        "input": {"path": str(data), "format": "jsonl", "id_column": "id"},
+        "prompt": {"mode": "raw", "template": "{{ text }}"},
+        "sampling": {"temperature": 0.0, "max_tokens": args.output_len, "ignore_eos": True},
+        "output": {"path": str(out), "format": "parquet"},
+        "runtime": {"engines": args.engines, "batch_size": args.batch_size, "sort_window": sort_window,
+                    "rows_per_part": args.rows_per_part, "max_num_seqs": args.max_num_seqs},
+    }
+
+
+def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace) -> dict:
+    import torch
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.tokenizer import Tokenizer
+
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    prompts = Tokenizer.from_dir(model_dir).encode_batch(texts)
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:8], sp, use_tqdm=False)  # warm-up (kernels compiled, cache touched)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"arm": "engine", "seconds": seconds, "output_tokens": n_out,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens_per_s": n_out / seconds}
+
+
+def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argparse.Namespace) -> dict:
+    import yaml
+
+    out = root / f"out-{arm}"
+    spec = root / f"{arm}.yaml"
+    window = args.rows if arm == "sorted" else 1
+    spec.write_text(yaml.safe_dump(spec_doc(model_dir, data, out, args, window)))
+    summary_path = root / f"{arm}-summary.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "deepinfer.pipeline.cli", "submit", str(spec),
+                           "--summary-json", str(summary_path)], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm}: deepinfer-job exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    s = json.loads(summary_path.read_text())
+    return {"arm": arm, "seconds": seconds, "job_wall_seconds": s["wall_seconds"],
+            "output_tokens": s["tokens"]["output"], "prompt_tokens": s["tokens"]["prompt"],
+            "output_tokens_per_s": s["tokens"]["output"] / seconds, "engines": s["engines"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    group.add_argument("--model", help="local checkpoint directory instead of a random-weight shape")
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--min-words", type=int, default=16)
+    ap.add_argument("--max-words", type=int, default=768)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=256, help="runtime.batch_size (rows per engine call)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--rows-per-part", type=int, default=512)
+    ap.add_argument("--engines", type=int, default=None, help="engine actors (default: one per GPU)")
+    ap.add_argument("--arms", default="engine,sorted,unsorted")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        root = Path(tmp)
+        model_dir = args.model or str(write_random_checkpoint(args.shape, root))
+        data = root / "rows.jsonl"
+        write_rows(data, args.rows, args.min_words, args.max_words, args.seed)
+        results = []
+        for arm in args.arms.split(","):
+            r = run_engine_alone(model_dir, data, args) if arm == "engine" else run_pipeline(
+                arm, model_dir, data, root, args)
+            print(f"{arm:9s} {r['seconds']:8.1f} s  {r['output_tokens']:9d} out tokens  "
+                  f"{r['output_tokens_per_s']:10.0f} out tok/s", flush=True)
+            results.append(r)
+    base = next((r for r in results if r["arm"] == "engine"), None)
+    if base is not None:
+        for r in results:
+            r["vs_engine"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+            print(f"{r['arm']:9s} {r['vs_engine']:.2f}x the engine alone")
+    report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Offline throughput on the GPU: deepinfer (deterministic and fast modes) vs HF transformers, same prompts.
+
+Run on a CUDA machine:
+    python benchmarks/bench_throughput.py --shape llama-3.1-8b --num-prompts 256 --out results.json
+
+Random weights (deepinfer: `load_format="dummy"`; HF: `from_config`), prompts of random token ids,
+every request forced to `--output-len` tokens (ignore_eos / min_new_tokens). The compute ceiling is
+780e12 / (2 * params) tokens/s (bf16 matmul measured on the H200; see shared GPU notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from shapes import PARAMS, write_shape
+
+CEILING_FLOPS = 780e12
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
+
+
+def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool) -> dict:
+    from deepinfer.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
+              deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
+              max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seconds": dt, "output_tokens": n_out, "tokens": [o.token_ids[:8] for o in outs[:4]]}
+
+
+def bench_hf(model_dir: Path, prompts, output_len: int, batch: int) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+    ids_all = torch.tensor(prompts, device="cuda")
+    with torch.no_grad():
+        model.generate(ids_all[:2], attention_mask=torch.ones_like(ids_all[:2]), max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n_out = 0
+        for i in range(0, len(prompts), batch):
+            ids = ids_all[i:i + batch]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seconds": dt, "output_tokens": n_out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=256)
+    ap.add_argument("--modes", default="deterministic,fast,hf")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp())
+    model_dir = write_shape(args.shape, tmp)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(args.num_prompts, args.prompt_len, vocab)
+    total_in = args.num_prompts * args.prompt_len
+    ceiling = CEILING_FLOPS / (2 * PARAMS[args.shape])
+    rows = {}
+    for mode in args.modes.split(","):
+        if mode == "hf":
+            r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch)
+        else:
+            r = bench_deepinfer(model_dir, prompts, args.output_len, deterministic=(mode == "deterministic"))
+        r["out_tok_s"] = r["output_tokens"] / r["seconds"]
+        r["total_tok_s"] = (r["output_tokens"] + total_in) / r["seconds"]
+        r["share_of_ceiling"] = r["total_tok_s"] / ceiling
+        rows[mode] = r
+        print(f"{args.shape} {mode}: {r['seconds']:.1f}s out {r['out_tok_s']:.0f} tok/s "
+              f"total {r['total_tok_s']:.0f} tok/s ({100 * r['share_of_ceiling']:.1f}% of ceiling)",
+              flush=True)
+    if "hf" in rows:
+        for r in rows.values():
+            r["ratio_to_hf"] = r["out_tok_s"] / rows["hf"]["out_tok_s"]
+    if "deterministic" in rows and "fast" in rows:
+        det, fast = rows["deterministic"]["out_tok_s"], rows["fast"]["out_tok_s"]
+        rows["deterministic"]["slowdown_vs_fast"] = 1 - det / fast
+    summary = {"shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "ceiling_tok_s": ceiling, "results": rows}
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    for mode, r in rows.items():
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "tokens"}
+        print(mode, shown)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

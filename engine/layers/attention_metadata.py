@@ -1,0 +1,38 @@
+"""Metadata that tells attention where each new token's KV goes and which cached KV it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Attention reduces keys/values in chunks of this many positions, aligned to absolute positions
+# (chunk c covers positions [c*KV_CHUNK, (c+1)*KV_CHUNK)), in increasing order. Because the split
+# never depends on the batch, the prefill/decode split or prefix-cache hits, a token's attention
+# output is bitwise the same however it was scheduled. Block sizes are multiples of it.
+KV_CHUNK = 16
+
+
+@dataclass
+class AttentionMetadata:
+    """A flattened variable-length batch: B sequences, T new tokens in all (sequence-major order)."""
+
+    slot_mapping: torch.Tensor      # int64 [T]: cache slot (block_id * block_size + offset) of each new token
+    positions: torch.Tensor         # int64 [T]: absolute position of each new token in its sequence
+    query_start_loc: torch.Tensor   # int32 [B+1]: new tokens of sequence b are [qsl[b], qsl[b+1])
+    seq_lens: torch.Tensor          # int32 [B]: context length of each sequence after this step
+    block_tables: torch.Tensor      # int32 [B, max_blocks]: KV blocks of each sequence, padded with 0
+    block_size: int                 # tokens per KV block
+    max_query_len: int              # longest new-token run of one sequence in this batch
+    max_seq_len: int                # longest context in this batch
+    # Host copies, so CPU code paths never synchronise with the device to read shapes.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

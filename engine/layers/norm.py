@@ -1,0 +1,28 @@
+"""RMSNorm layer: holds the weight; the arithmetic lives in the ops backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import empty_param
+from .ops import Ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.weight = empty_param(size, dtype=dtype, device=device)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Norm over the last dim of x [..., size] (leading dims flattened into rows)."""
+        shape = x.shape
+        return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm transformer's residual step."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

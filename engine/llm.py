@@ -1,0 +1,257 @@
+"""The public engine API: `LLM(model=...)`, `LLM.generate`, `LLM.chat` (contract in DESIGN.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence as SeqType
+
+import torch
+
+from .block_manager import BlockManager
+from .config import CacheConfig, SchedulerConfig
+from .engine_core import EngineCore
+from .kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from .layers.ops import make_ops
+from .loader import iter_weights, resolve_dtype, resolve_model_dir
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
+from .models.registry import build_model
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .rng import request_seed
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not device.startswith(("cuda", "cpu")):
+        raise ValueError(f"device={device!r}: expected one of {_DEVICES} (or 'cuda:N')")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine; use device='cpu'")
+    return torch.device(device)
+
+
+class LLM:
+    """An offline engine over one model replica.
+
+    With `deterministic=True` (the default) every numeric op is batch-invariant and sampling draws
+    from a counter-based generator keyed by (request seed, output position), so a request's tokens
+    depend only on its prompt, its parameters and its seed — not on what else is in the batch,
+    the scheduling, chunked prefill, preemption or prefix-cache hits.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str | torch.device = "auto",
+        deterministic: bool = True,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.90,
+        cpu_kv_cache_gib: float = 1.0,
+        seed: int = 0,
+        load_format: str = "auto",
+        allow_pickle: bool = False,
+    ) -> None:
+        self.device = _resolve_device(device)
+        self.model_dir = resolve_model_dir(model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.dtype = resolve_dtype(dtype, self.model_config)
+        self.deterministic = deterministic
+        self.seed = seed
+        mc = self.model_config
+        if max_model_len is None:
+            max_model_len = mc.max_position_embeddings
+            if mc.sliding_window is not None:
+                # Attention here is always full: stay within the window the model was trained with.
+                max_model_len = min(max_model_len, mc.sliding_window)
+        elif max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}"
+            )
+        elif mc.sliding_window is not None and max_model_len > mc.sliding_window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding_window={mc.sliding_window}; "
+                "deepinfer attends over the full context, so keep max_model_len within the window"
+            )
+        self.sched_cfg = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(8192, min(max_model_len, 16384)),
+            max_model_len=max_model_len,
+        )
+        cache_cfg = CacheConfig(
+            block_size=block_size, num_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_cache_gib=cpu_kv_cache_gib, enable_prefix_caching=enable_prefix_caching,
+        )
+        ops = make_ops(self.device, deterministic)
+        self.model = build_model(mc, ops, self.dtype, self.device, max_model_len=max_model_len)
+        if load_format == "dummy":
+            self.model.init_dummy_weights(seed)
+        elif load_format == "auto":
+            self.model.load_weights(iter_weights(self.model_dir, self.device, allow_pickle=allow_pickle))
+        else:
+            raise ValueError(f"load_format={load_format!r}: expected 'auto' or 'dummy'")
+        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, self.dtype)
+        n_blocks = blocks_that_fit(spec, cache_cfg, self.device)
+        self.cache_cfg = dataclasses.replace(cache_cfg, num_blocks=n_blocks)
+        kv_caches = allocate_kv_cache(spec, n_blocks, self.device)
+        self._structured = None  # built on the first constrained request (compiling the vocab costs time)
+        block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
+        scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager)
+        runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device)
+        self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer))
+        self._ids = itertools.count()
+
+    @property
+    def structured(self):
+        """The structured-output manager, created on first use and shared by runner and output processor."""
+        if self._structured is None:
+            from .structured.manager import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(
+                self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids,
+                max_model_len=self.sched_cfg.max_model_len,
+            )
+            self.engine.runner.structured = self._structured
+            self.engine.outputs.structured = self._structured
+        return self._structured
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _make_seq(self, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError(f"prompt {index} is empty")
+        limit = self.sched_cfg.max_model_len
+        if n >= limit:
+            raise ValueError(
+                f"prompt {index} has {n} tokens; max_model_len={limit} leaves no room to generate "
+                f"(shorten the prompt or raise max_model_len)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})")
+        if params.constrained:
+            self.structured.validate(params)
+        seed = params.seed
+        if seed is None:
+            seed = request_seed(self.seed, prompt_ids, params)
+        return Sequence(
+            seq_id=next(self._ids), prompt_token_ids=list(prompt_ids), params=params, seed=seed,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | SeqType[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+
+        Every request is validated before any is run: a bad one raises ValueError naming its index
+        and leaves the engine ready for the next call.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        str_idx = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        encoded = {}
+        if str_idx:
+            encoded = dict(zip(str_idx, self.tokenizer.encode_batch([prompts[i] for i in str_idx])))
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                texts.append(p)
+                token_lists.append(encoded[i])
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                texts.append(None)
+                token_lists.append(list(p))
+            else:
+                kind = type(p).__name__
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, not {kind}")
+        seqs = [self._make_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, params_list))]
+        return self._run(seqs, texts, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[list[dict]] | list[dict],
+        sampling_params: SamplingParams | SeqType[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # a single conversation
+        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=add_generation_prompt)
+                   for m in messages]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(token_lists, sampling_params, use_tqdm=use_tqdm)
+        for o, p in zip(outs, prompts):
+            o.prompt = p
+        return outs
+
+    def _run(self, seqs: list[Sequence], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        results: list[RequestOutput | None] = [None] * len(seqs)
+        bar = None
+        if use_tqdm and seqs:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        out_tokens = 0
+
+        def on_finish(seq: Sequence) -> None:
+            nonlocal out_tokens
+            i = index[seq.seq_id]
+            results[i] = self.engine.outputs.build_output(seq, texts[i])
+            out_tokens += seq.num_output_tokens
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(out_tok_s=f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+
+        try:
+            for seq in seqs:
+                self.engine.add(seq)
+            self.engine.run(on_finish)
+        except BaseException:
+            self.engine.abort_all()  # leave the engine empty and usable for the next call
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,124 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3 (pre-norm, RoPE, GQA, SwiGLU).
+
+The architectures differ only in small switches (`ArchSpec`): q/k/v bias, per-head q/k RMSNorm, RoPE
+scaling, tied embeddings. Parameters are named after Hugging Face's, with q/k/v merged into `qkv_proj`
+and gate/up into `gate_up_proj` (one matmul each instead of three / two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import PagedSelfAttention
+from ..layers.attention_metadata import AttentionMetadata
+from ..layers.linear import empty_param
+from ..layers.mlp import GatedMLP
+from ..layers.norm import RMSNorm
+from ..layers.ops import Ops
+from ..layers.rotary import RotaryEmbedding
+from ..model_config import ModelConfig
+from .weights import init_dummy_weights, load_hf_weights
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one supported architecture from another."""
+
+    qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
+        self.self_attn = PagedSelfAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            qkv_bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=spec.qk_norm,
+            rms_norm_eps=cfg.rms_norm_eps, ops=ops, dtype=dtype, device=device,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderBody(nn.Module):
+    """Embeddings, decoder layers and the final norm (HF's `model.*`)."""
+
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, ops, dtype, device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal LM running a flattened variable-length batch over a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None = None, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.dtype = dtype
+        self.model = DecoderBody(cfg, spec, ops, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary table covers: a token's position must be below this."""
+        return int(self.rotary.cos_cache.shape[0])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions int64 [T] (flattened batch) -> final-normed hidden states [T, hidden].
+
+        kv_caches[i] = (k_cache, v_cache) of layer i, each [num_blocks, block_size, Hkv, head_dim]; this
+        step's keys/values are written at `meta.slot_mapping` before attention reads them.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
+                             f"{len(self.model.layers)} layers")
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        rope = self.rotary(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, meta, kv_cache)
+        x, _ = self.model.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] (already final-normed by forward) -> float32 logits [S, vocab_size]."""
+        return self.ops.linear(hidden, self.lm_head.weight).to(torch.float32)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (any device/dtype; converted on copy).
+
+        ValueError on a tensor the model has no place for, a shape mismatch, or missing weights.
+        """
+        load_hf_weights(self, weights)
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Fill every parameter with seeded random values (benchmarks on real shapes without a checkpoint)."""
+        init_dummy_weights(self, seed)

@@ -1,0 +1,47 @@
+"""Architecture registry: config.json `architectures` name -> model built on the target device."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.ops import Ops
+from ..model_config import ModelConfig
+from .decoder import ArchSpec, CausalLM
+
+# Llama-family decoders share one implementation; the differences live in ArchSpec and ModelConfig
+# (qkv bias: ModelConfig.attention_bias, forced on for Qwen2; rope scaling: ModelConfig.rope_scaling).
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(ARCHITECTURES))
+
+
+def arch_spec(architecture: str) -> ArchSpec:
+    """The ArchSpec of a supported architecture; ValueError listing the supported ones otherwise."""
+    spec = ARCHITECTURES.get(architecture)
+    if spec is None:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(supported_architectures())}")
+    return spec
+
+
+def build_model(cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str,
+                max_model_len: int | None = None) -> CausalLM:
+    """Create the model for `cfg` with uninitialised parameters directly on `device` (no CPU copy).
+
+    Fill it with `model.load_weights(...)` or `model.init_dummy_weights(seed)`. `max_model_len` bounds the
+    rotary table (default: the config's max_position_embeddings).
+    """
+    spec = arch_spec(cfg.architecture)
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len={max_model_len}: must be >= 1")
+    device = torch.device(device)
+    with torch.device(device):
+        model = CausalLM(cfg, spec, ops, dtype, device, max_positions=max_model_len)
+    return model.eval()

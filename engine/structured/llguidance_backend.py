@@ -1,0 +1,168 @@
+"""`GrammarBackend` on llguidance: compile specs, hand out matchers, fill bitmasks in parallel.
+
+The tokenizer comes straight from tokenizer.json (llguidance parses the `tokenizers` JSON itself; no
+transformers at run time). `vocab_size` is the model's: ids past the tokenizer's vocabulary are padding and
+are never allowed. JSON is compact (`", "` and `": "` separators, no free whitespace): free whitespace lets a
+model loop on newlines and makes outputs longer for no information.
+
+llguidance has no separate "compiled grammar" object; a compiled grammar here is a template matcher whose
+lexer and parser tables are built once, and each request gets a `deep_copy` of it (shares the built tables).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from .backend import GrammarSpec
+from .normalize import choice_lark, prepare_json_schema, prepare_regex
+
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def default_threads() -> int:
+    """Mask-filling threads: half the CPUs (the rest run the engine), at least 1, at most 16."""
+    return max(1, min(16, (os.cpu_count() or 2) // 2))
+
+
+def _library_message(kind: str, message: str) -> str:
+    """Turn llguidance's error text into a user-facing message that names the problem."""
+    text = " ".join(message.split())
+    unimplemented = re.search(r"Unimplemented keys: \[(.*?)\]", text)
+    if unimplemented:
+        keys = [k.strip().strip('"') for k in unimplemented.group(1).split(",")]
+        quoted = ", ".join(f"'{k}'" for k in keys)
+        noun = "keyword" if len(keys) == 1 else "keywords"
+        return (f"{kind}: unsupported {noun} {quoted} (the grammar backend cannot enforce "
+                f"{'it' if len(keys) == 1 else 'them'}; remove {'it' if len(keys) == 1 else 'them'} "
+                "or validate that part after generation)")
+    if "oneOf constraints are not supported" in text:
+        return (f"{kind}: unsupported 'oneOf' whose alternatives may overlap (only oneOf with provably "
+                "disjoint alternatives is supported; use anyOf if any match is fine)")
+    if "look-around" in text:
+        return f"{kind}: unsupported pattern: look-ahead/look-behind assertions are not supported ({text})"
+    return f"{kind}: {text}"
+
+
+@dataclass
+class LLGuidanceGrammar:
+    """A compiled grammar: the spec and a template matcher in its initial state (never advanced)."""
+
+    spec: GrammarSpec
+    template: llguidance.LLMatcher
+
+
+class LLGuidanceMatcher:
+    """One request's grammar state (a deep copy of its grammar's template)."""
+
+    __slots__ = ("_m", "_words")
+
+    def __init__(self, m: llguidance.LLMatcher, words: int) -> None:
+        self._m = m
+        self._words = words
+
+    @property
+    def raw(self) -> llguidance.LLMatcher:
+        return self._m
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.consume_token(int(token_id))
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous():
+            raise ValueError("bitmask row: expected a contiguous int32 CPU tensor")
+        if row.numel() != self._words:
+            raise ValueError(f"bitmask row: {row.numel()} words, expected {self._words}")
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def is_error(self) -> bool:
+        return self._m.is_error()
+
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def rollback(self, num_tokens: int) -> bool:
+        return self._m.rollback(num_tokens)
+
+    def reset(self) -> None:
+        self._m.reset()
+
+
+class LLGuidanceBackend:
+    """Grammar backend for one tokenizer and model vocab size."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_threads: int | None = None) -> None:
+        eos = sorted({int(t) for t in eos_token_ids})
+        if not eos:
+            raise ValueError("eos_token_ids: at least one end-of-sequence token id is needed")
+        if any(not 0 <= t < vocab_size for t in eos):
+            raise ValueError(f"eos_token_ids={eos}: ids must be in [0, vocab_size={vocab_size})")
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:
+            raise ValueError(
+                f"structured output: cannot use this tokenizer with model vocab_size={vocab_size}: {e}"
+            ) from None
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        threads = max_threads if max_threads is not None else default_threads()
+        # One thread: fill row by row on the caller's thread (no idle pool threads spinning next to torch's).
+        self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
+
+    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        L = llguidance.LLMatcher
+        if spec.kind == "json_schema":
+            schema = prepare_json_schema(spec.value)
+            if schema is False:
+                raise ValueError("json_schema: the schema `false` accepts no value at all")
+            if schema is True:
+                schema = {}  # llguidance takes options only on object schemas; `true` is `{}`
+            grammar = L.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        elif spec.kind == "regex":
+            grammar = L.grammar_from_regex(prepare_regex(spec.value))
+        else:
+            grammar = L.grammar_from_lark(choice_lark(spec.value))
+        template = L(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(_library_message(spec.kind, template.get_error()))
+        return LLGuidanceGrammar(spec, template)
+
+    def new_matcher(self, grammar: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(grammar.template.deep_copy(), self.words)
+
+    def fill_bitmasks(self, rows: list[tuple[int, LLGuidanceMatcher]], bitmask: torch.Tensor) -> None:
+        """Fill bitmask[row] for each (row, matcher) on llguidance's thread pool (the GIL is released)."""
+        if not rows:
+            return
+        if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous()
+                or bitmask.dim() != 2 or bitmask.shape[1] != self.words):
+            raise ValueError(f"bitmask: expected a contiguous int32 CPU tensor [*, {self.words}], got "
+                             f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        if any(not 0 <= r < bitmask.shape[0] for r, _ in rows):
+            raise ValueError(f"bitmask: a row index is outside [0, {bitmask.shape[0]})")
+        if self._executor is None or len(rows) == 1:
+            for r, m in rows:
+                m.fill_bitmask(bitmask[r])
+            return
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.raw, r) for r, m in rows], bitmask.data_ptr(), self.words * 4, bitmask.shape[0]
+        )
+
+    def token_bytes(self) -> list[bytes | None]:
+        tok = self.tokenizer
+        n = tok.vocab_size
+        return [None if tok.is_special_token(i) else tok.decode_bytes([i]) for i in range(n)]

@@ -1,0 +1,265 @@
+"""Structured output for the engine: validate constraints, hand out matchers, fill token masks per step.
+
+Life of a constrained request:
+  1. `validate(params)` when the request is added: compiles the constraint (cached by a canonical hash of
+     kind + spec, shared by all requests) and raises ValueError naming the problem before any generation.
+  2. `new_matcher(params)` -> a `GrammarState`, stored by the engine in `seq.extra["grammar"]`.
+  3. Each step, `start_step(seqs)` fills the bitmask rows of the constrained sequences on a worker thread
+     (llguidance releases the GIL and spreads rows over its own threads) while the model runs; the returned
+     `StepMasks.apply(logits)` waits for it and applies the masks (-inf) to exactly those rows.
+  4. After sampling, `accept(state, token)` advances the matcher; when `is_terminated(state)` the engine
+     finishes the request with "stop". EOS is allowed by the mask only where the grammar can end.
+
+Preemption / recompute and prefix-cache hits need nothing here: a matcher advances only on tokens the
+request sampled (once each), never on recomputed or cached positions, so its state always equals "the
+grammar after the request's output tokens". Masks depend only on a row's own state and remaining budget
+(see steering.py), so masking is per row and keeps sampling batch-invariant.
+
+A matcher must not be advanced while a fill that includes it is in flight (the engine applies the masks
+and samples before it accepts tokens).
+
+A request that ends any other way than through its grammar is not a valid output: one that reaches
+max_tokens first finishes with "length"; one whose matcher went into error (a token the mask forbade was
+sampled — a sampler bug — or a grammar-library limit was hit; llguidance then allows only EOS) reports
+`is_terminated` but not `is_valid_end`. Consumers that present parsed fields should check `is_valid_end`
+(or re-validate the text with check.output_satisfies).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...kernels.token_mask import apply_token_bitmask_
+from ..sampling_params import SamplingParams
+from .backend import GrammarSpec
+from .llguidance_backend import LLGuidanceBackend, LLGuidanceGrammar, LLGuidanceMatcher
+from .steering import MIN_STEER_TOKENS, BudgetSteering, JsonLexState, steering_threshold
+
+# (row index in the bitmask, the request's grammar state, its remaining token budget or None)
+MaskRow = tuple[int, "GrammarState", "int | None"]
+
+
+class GrammarState:
+    """One request's structured-output state: its matcher and the budget level where steering starts."""
+
+    __slots__ = ("matcher", "spec", "steer_below", "lex")
+
+    def __init__(self, matcher: LLGuidanceMatcher, spec: GrammarSpec, steer_below: int) -> None:
+        self.matcher = matcher
+        self.spec = spec
+        self.steer_below = steer_below
+        # JSON outputs: whether the text so far ends inside a string (steering needs it).
+        self.lex = JsonLexState() if spec.kind == "json_schema" else None
+
+
+def _tokenizer_json(tokenizer: Any) -> str:
+    if isinstance(tokenizer, (str, Path)):
+        text = str(tokenizer)
+        if text.lstrip().startswith("{"):
+            return text
+        path = Path(text)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"structured output: tokenizer file {path} does not exist")
+        return path.read_text(encoding="utf-8")
+    for obj in (tokenizer, getattr(tokenizer, "backend_tokenizer", None), getattr(tokenizer, "_tok", None)):
+        if obj is not None and callable(getattr(obj, "to_str", None)):
+            return obj.to_str()
+    raise ValueError(
+        f"structured output: cannot read a tokenizer from {type(tokenizer).__name__}; pass the path of "
+        "tokenizer.json, its JSON text, or a `tokenizers.Tokenizer`"
+    )
+
+
+def spec_of(params: SamplingParams) -> GrammarSpec | None:
+    """The request's constraint in canonical form, or None when it is unconstrained."""
+    if params.json_schema is not None:
+        return GrammarSpec.of("json_schema", params.json_schema)
+    if params.regex is not None:
+        return GrammarSpec.of("regex", params.regex)
+    if params.choice is not None:
+        return GrammarSpec.of("choice", list(params.choice))
+    return None
+
+
+class StepMasks:
+    """The masks of one step, being filled on the worker thread."""
+
+    def __init__(self, future: Future, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._future = future
+        self.bitmask = bitmask
+        self.rows = rows
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Wait for the fill, then set disallowed logits of the constrained rows to -inf (in place)."""
+        self.wait()
+        bitmask = self.bitmask
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        apply_token_bitmask_(logits, bitmask, rows)
+
+
+class StructuredOutputManager:
+    """Compiles and caches constraints for one tokenizer + model vocab size and computes token masks.
+
+    tokenizer: path of tokenizer.json (or its directory), its JSON text, or a `tokenizers.Tokenizer`.
+    vocab_size: the model's vocab size (logits width); ids past the tokenizer's vocabulary are never allowed.
+    eos_token_ids: the ids that end a sequence; the mask allows them exactly where the grammar can end.
+    max_threads: threads that fill masks in parallel. steering: budget steering on (see steering.py).
+    max_model_len: when given, the remaining budget also counts the model-length limit.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 max_threads: int | None = None, *, steering: bool = True, cache_size: int = 1024,
+                 max_model_len: int | None = None) -> None:
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
+        if max_threads is not None and max_threads < 1:
+            raise ValueError(f"max_threads={max_threads}: must be >= 1 or None")
+        if cache_size < 1:
+            raise ValueError(f"cache_size={cache_size}: must be >= 1")
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.backend = LLGuidanceBackend(_tokenizer_json(tokenizer), vocab_size, self.eos_token_ids,
+                                         max_threads)
+        self._token_bytes = self.backend.token_bytes()
+        self.steering = (BudgetSteering(self._token_bytes, self.eos_token_ids, vocab_size)
+                         if steering else None)
+        self._cache: OrderedDict[str, LLGuidanceGrammar | str] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-grammar")
+        # Step bitmasks are reused (two, alternating): allocating pinned memory every step costs more
+        # than filling it. Two, because a step's host->device copy may still be in flight while the
+        # next step's fill starts.
+        self._step_buffers: list[torch.Tensor] = []
+        self._step_turn = 0
+
+    @property
+    def bitmask_words(self) -> int:
+        return self.backend.words
+
+    # ---- constraints ---------------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        """The compiled grammar of `spec` (cached, errors included); raises ValueError for a bad spec."""
+        key = spec.key
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            try:
+                hit = self.backend.compile(spec)
+            except ValueError as e:
+                hit = str(e)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, str):
+            raise ValueError(hit)
+        return hit
+
+    def validate(self, params: SamplingParams) -> None:
+        """Compile the request's constraint now; ValueError names what is unsupported or invalid."""
+        spec = spec_of(params)
+        if spec is not None:
+            self.compile(spec)
+
+    def new_matcher(self, params: SamplingParams) -> GrammarState:
+        spec = spec_of(params)
+        if spec is None:
+            raise ValueError("new_matcher: the request has no json_schema, regex or choice constraint")
+        grammar = self.compile(spec)
+        threshold = steering_threshold(params.max_tokens)
+        if threshold is None:  # no max_tokens: only the model-length budget (if known) can run short
+            threshold = MIN_STEER_TOKENS
+        return GrammarState(self.backend.new_matcher(grammar), spec, threshold)
+
+    # ---- per step --------------------------------------------------------------------------------
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """An all-allowed int32 [num_rows, ceil(vocab_size/32)] CPU bitmask (pinned when CUDA is present)."""
+        return torch.full((num_rows, self.bitmask_words), -1, dtype=torch.int32,
+                          pin_memory=torch.cuda.is_available())
+
+    def fill_bitmask(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> None:
+        """Fill bitmask[row] for each (row, state, remaining_budget), steering rows short of budget."""
+        self.backend.fill_bitmasks([(r, st.matcher) for r, st, _ in rows], bitmask)
+        if self.steering is None:
+            return
+        view = bitmask.numpy()
+        for r, st, remaining in rows:
+            if remaining is None or remaining > st.steer_below or st.matcher.is_terminated():
+                continue
+            if st.lex is not None:
+                self.steering.steer_json_(view[r], st.lex)
+            else:
+                self.steering.steer_lookahead_(view[r], st.matcher)
+
+    def fill_bitmask_async(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> Future:
+        """`fill_bitmask` on the worker thread; the Future resolves (to None) when every row is filled."""
+        return self._pool.submit(self.fill_bitmask, list(rows), bitmask)
+
+    def remaining_budget(self, seq: Any) -> int | None:
+        """Tokens the request may still generate, counting the token about to be sampled."""
+        budgets = []
+        if seq.params.max_tokens is not None:
+            budgets.append(seq.params.max_tokens - seq.num_output_tokens)
+        if self.max_model_len is not None:
+            budgets.append(self.max_model_len - seq.num_tokens)
+        return min(budgets) if budgets else None
+
+    def start_step(self, seqs: Sequence[Any]) -> StepMasks | None:
+        """Start filling masks for the sequences sampling this step (logits row i = seqs[i]).
+
+        Returns None when none of them is constrained.
+        """
+        rows: list[MaskRow] = []
+        for i, seq in enumerate(seqs):
+            state = seq.extra.get("grammar")
+            if state is not None:
+                rows.append((i, state, self.remaining_budget(seq)))
+        if not rows:
+            return None
+        bitmask = self._step_bitmask(len(seqs))
+        return StepMasks(self.fill_bitmask_async(rows, bitmask), bitmask, [r for r, _, _ in rows])
+
+    def _step_bitmask(self, num_rows: int) -> torch.Tensor:
+        """A reusable [num_rows, words] bitmask; only the rows the fill writes are ever read."""
+        self._step_turn ^= 1
+        if len(self._step_buffers) < 2 or self._step_buffers[self._step_turn].shape[0] < num_rows:
+            size = max(num_rows, 64)
+            self._step_buffers = [self.allocate_bitmask(size), self.allocate_bitmask(size)]
+        return self._step_buffers[self._step_turn][:num_rows]
+
+    def accept(self, state: GrammarState, token_id: int) -> bool:
+        """Advance on the sampled token; False if the grammar rejects it (the matcher is then in error)."""
+        ok = state.matcher.accept_token(token_id)
+        if ok and state.lex is not None and 0 <= token_id < len(self._token_bytes):
+            state.lex.feed(self._token_bytes[token_id] or b"")
+        return ok
+
+    def is_terminated(self, state: GrammarState) -> bool:
+        """True when the output is complete: the grammar cannot continue or EOS was accepted."""
+        return state.matcher.is_terminated()
+
+    def is_valid_end(self, state: GrammarState) -> bool:
+        """True when the output so far is a complete, valid match (ending here would be valid)."""
+        m = state.matcher
+        return not m.is_error() and (m.is_accepting() or m.is_terminated())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,25 @@
+"""deepinfer's Triton kernels (CUDA), each batch-invariant and paired with a plain-torch `*_ref` reference.
+
+Modules: matmul (bi_linear), rmsnorm (rms_norm), activation (silu_and_mul), store_kv (store_kv),
+paged_attention (paged_attention, store_kv). Importing this package does not import Triton; import the
+kernel modules only after `triton_available()` says they can run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_available() -> bool:
+    """True when Triton is importable and a CUDA device is present (the kernels can run for real)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install (e.g. missing CUDA libraries) counts as unavailable
+        return False
+    return True

@@ -1,0 +1,47 @@
+"""Argument checks shared by the kernel wrappers: each failure is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+) -> None:
+    """Raise ValueError unless `t` is a tensor of rank `ndim`, one of `dtypes`, on `device`.
+
+    With `last_dim_contiguous`, the last dimension must have stride 1 (the kernels vectorise along it).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported (expected one of {allowed})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but the other operands are on {device}")
+    if last_dim_contiguous and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+            "call .contiguous() first"
+        )
+
+
+def check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} differs from the input dtype {dtype}")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -1,0 +1,173 @@
+"""Batch-invariant GEMM for linear layers: out = x @ weight.T (+ bias).
+
+Batch invariance: every output element is accumulated in fp32 over K in tiles of BLOCK_K, in increasing
+order, by one `tl.dot` chain whose shape (BLOCK_M x BLOCK_N x BLOCK_K) and compile options are chosen from
+(N, K, dtype) only — never from M. There is no split-K, and rows beyond M are clamped to row 0 (their results
+are never stored), so a row's bits do not depend on how many other rows share the call or on which tile or
+program computes it. `M` is excluded from Triton's integer specialisation so one compiled binary serves
+every M. The persistent tile loop only changes which program runs a tile, never how a tile is computed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_same_dtype, check_tensor
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tile shape and compile options of one GEMM. Changing it may change result bits (not invariance)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = True     # grid of min(#SMs, #tiles) programs looping over tiles; else one per tile
+
+    def __post_init__(self) -> None:
+        for field in ("block_m", "block_n", "block_k"):
+            value = getattr(self, field)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MatmulConfig.{field}={value}: must be a power of two >= 16")
+        if self.group_m < 1:
+            raise ValueError(f"MatmulConfig.group_m={self.group_m}: must be >= 1")
+
+
+def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tile config for a weight of shape [n, k]. Depends on the weight only, never on M.
+
+    Wide weights (gate_up, lm_head) take 128x256 tiles (highest tensor-core efficiency); narrower ones take
+    128x128 so a decode step (M <= 128) still spreads over more SMs.
+    """
+    del k  # same config for every K; kept in the signature so a K-dependent policy stays M-free
+    if dtype == torch.float32:
+        return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    if n >= 8192:
+        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Programs of the persistent loop when running on CPU (Triton interpreter): small, so tests exercise a
+# program looping over several tiles.
+_INTERPRETER_PROGRAMS = 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _bi_linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_group = GROUP_M * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, num_programs):
+        # Grouped order: GROUP_M row tiles sweep the same weight columns together, for L2 reuse.
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_rows
+        pid_n = (tile % tiles_per_group) // group_rows
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Out-of-range rows/columns read row/column 0 instead of being masked: the inner loop stays
+        # mask-free and those results are never stored. A row only ever meets its own data in the dot.
+        rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+        cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(0, k_tiles):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                k_left = K - ki * BLOCK_K
+                a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def bi_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, batch-invariant.
+
+    `config` overrides the tile config (benchmarks); the default comes from `matmul_config(N, K, dtype)`.
+    """
+    check_tensor("x", x, ndim=2)
+    check_tensor("weight", weight, ndim=2, device=x.device)
+    check_same_dtype("weight", weight, x.dtype)
+    m, k = x.shape
+    n, kw = weight.shape
+    if kw != k:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match x {tuple(x.shape)} (K={k})")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, device=x.device)
+        check_same_dtype("bias", bias, x.dtype)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias: shape {tuple(bias.shape)}, expected ({n},)")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    cfg = config if config is not None else matmul_config(n, k, x.dtype)
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if not cfg.persistent:
+        programs = num_tiles
+    elif x.is_cuda:
+        programs = min(num_tiles, _num_sms(x.device.index if x.device.index is not None else 0))
+    else:
+        programs = min(num_tiles, _INTERPRETER_PROGRAMS)
+    _bi_linear_kernel[(programs,)](
+        x, weight, bias if bias is not None else x, out,
+        m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def bi_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch reference: float64 matmul (+ bias), rounded once to x's dtype (no TF32 involved)."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)

@@ -1,0 +1,118 @@
+"""RMSNorm (optionally fused with the residual add), matching Hugging Face Llama/Qwen2 rounding.
+
+HF computes, in the input dtype `dt`: h = residual + x (rounded to dt), then
+out = weight * (h.float() * rsqrt(mean(h.float()^2) + eps)).to(dt). This kernel does the same steps with
+the same roundings. One program per row; the sum of squares is reduced in a fixed order that depends
+only on H (chunk width and tree shape are functions of H), so a row's bits never depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_same_dtype, check_tensor
+
+# Widest chunk one program holds in registers; rows longer than this are reduced chunk by chunk.
+_MAX_BLOCK = 8192
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
+    H, eps,
+    stride_x, stride_r, stride_out, stride_res_out,
+    HAS_RESIDUAL: tl.constexpr, SINGLE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    out_row = out_ptr + row * stride_out
+    res_row = res_out_ptr + row * stride_res_out
+    if SINGLE_CHUNK:
+        mask = offs < H
+        h = tl.load(x_row + offs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(res_row + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (hf * rstd).to(h.dtype).to(tl.float32) * w
+        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            mask = start + offs < H
+            h = tl.load(x_row + start + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + start + offs, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+                tl.store(res_row + start + offs, h, mask=mask)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / H + eps)
+        for start in range(0, H, BLOCK):
+            mask = start + offs < H
+            # Recompute the sum rather than re-read res_out: no cross-thread visibility question arises.
+            h = tl.load(x_row + start + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + start + offs, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32) * w
+            tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [M, H] with weight [H]; returns out [M, H] in x's dtype.
+
+    With `residual` [M, H]: h = x + residual (rounded to x's dtype) is normalised and the function returns
+    (out, h), h being the new residual stream. Inputs are not modified.
+    """
+    check_tensor("x", x, ndim=2)
+    check_tensor("weight", weight, ndim=1, device=x.device)
+    m, h = x.shape
+    if weight.shape[0] != h:
+        raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {tuple(x.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps={eps}: must be >= 0")
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, device=x.device)
+        check_same_dtype("residual", residual, x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else out
+    if m > 0 and h > 0:
+        block = min(triton.next_power_of_2(h), _MAX_BLOCK)
+        num_warps = max(1, min(16, block // 256))
+        _rms_norm_kernel[(m,)](
+            x, residual if residual is not None else x, weight, out, res_out,
+            h, float(eps),
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=residual is not None, SINGLE_CHUNK=block >= h, BLOCK=block,
+            num_warps=num_warps,
+        )
+    return (out, res_out) if residual is not None else out
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference, written as Hugging Face's LlamaRMSNorm (plus the residual add before it)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight.float() * normed.to(h.dtype).float()).to(x.dtype)
+    return out if residual is None else (out, h)

@@ -1,0 +1,188 @@
+"""Job failure types with their exit codes, and quarantined ("poison") error rows.
+
+Exit codes are a contract (DESIGN.md): 0 done (errors within budget), 2 invalid spec or usage, 3 error
+budget exceeded, 4 output path holds another job (different fingerprint), 75 retryable failure
+(storage/engine/infra), 1 bug. Every exception a job raises on purpose derives from :class:`JobError` and
+carries its ``exit_code``, so the CLI can do ``except JobError as e: return e.exit_code``.
+
+A row that cannot be processed is not fatal: it becomes one error row (id, stage, code, message) that is
+committed in ``errors/`` atomically together with the rest of its part, exactly once. Messages must be
+deterministic (no addresses, timings or random ids) because error objects are part of the byte-identical
+output.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+EXIT_OK = 0
+EXIT_BUG = 1
+EXIT_USAGE = 2
+EXIT_ERROR_BUDGET = 3
+EXIT_FINGERPRINT_MISMATCH = 4
+EXIT_RETRYABLE = 75
+
+
+class JobError(Exception):
+    """Base of the failures a job reports on purpose; ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = EXIT_BUG
+
+
+class FingerprintMismatch(JobError):
+    """The output path already holds a job with another fingerprint (exit 4 unless ``--restart``).
+
+    ``differences`` is the human-readable list from :func:`deepinfer.pipeline.fingerprint.diff_fingerprints`.
+    """
+
+    exit_code = EXIT_FINGERPRINT_MISMATCH
+
+    def __init__(self, output_url: str, differences: list[str]) -> None:
+        self.output_url = output_url
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"output {output_url} holds another job (different fingerprint):\n{lines}\n"
+            "use another output path, or rerun with --restart to discard the existing output"
+        )
+
+
+class ErrorBudgetExceeded(JobError):
+    """More rows failed than ``max_error_fraction`` allows (exit 3, after committing what succeeded)."""
+
+    exit_code = EXIT_ERROR_BUDGET
+
+    def __init__(self, error_rows: int, total_rows: int, max_error_fraction: float) -> None:
+        self.error_rows = error_rows
+        self.total_rows = total_rows
+        self.max_error_fraction = max_error_fraction
+        super().__init__(
+            f"{error_rows} of {total_rows} rows failed, more than max_error_fraction={max_error_fraction}; "
+            "the failed rows are in errors/ of the output"
+        )
+
+
+class RetryableError(JobError):
+    """An infrastructure failure worth retrying later with the same command (exit 75)."""
+
+    exit_code = EXIT_RETRYABLE
+
+
+class RetryableStorageError(RetryableError):
+    """Storage unreachable, timing out, throttling or failing server-side (exit 75)."""
+
+
+class Stage(str, enum.Enum):
+    """Where in the pipeline a row failed."""
+
+    READ = "read"
+    PROMPT = "prompt"
+    TOKENIZE = "tokenize"
+    GENERATE = "generate"
+    VALIDATE = "validate"
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a row failed. Stable strings: users filter errors/ on them."""
+
+    MISSING_COLUMN = "MISSING_COLUMN"  # a column the prompt needs is absent from the row
+    NULL_VALUE = "NULL_VALUE"  # a column the prompt needs is null
+    BAD_ROW = "BAD_ROW"  # the row could not be decoded (e.g. malformed JSONL line)
+    TEMPLATE_ERROR = "TEMPLATE_ERROR"  # the jinja template raised while rendering this row
+    EMPTY_PROMPT = "EMPTY_PROMPT"  # the rendered prompt is empty
+    PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # prompt tokens (+ max_tokens) exceed the model's length
+    TOKENIZER_ERROR = "TOKENIZER_ERROR"
+    GENERATION_ERROR = "GENERATION_ERROR"  # the engine rejected or failed this one request
+    INVALID_JSON = "INVALID_JSON"  # output_schema set but the text does not parse as JSON
+    SCHEMA_MISMATCH = "SCHEMA_MISMATCH"  # parses, but does not validate against output_schema
+    TRUNCATED = "TRUNCATED"  # output_schema set and generation hit max_tokens (finish_reason "length")
+
+
+ERROR_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("code", pa.string(), nullable=False),
+        pa.field("message", pa.string(), nullable=False),
+    ]
+)
+"""Schema of the tables in errors/. ``id`` is the row id (id_column value as a string, or "file:row")."""
+
+MAX_MESSAGE_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class ErrorRow:
+    """One quarantined row. ``stage`` and ``code`` accept the enums or their string values."""
+
+    id: str
+    stage: str
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        stage = self.stage.value if isinstance(self.stage, Stage) else self.stage
+        code = self.code.value if isinstance(self.code, ErrorCode) else self.code
+        if stage not in {s.value for s in Stage}:
+            raise ValueError(f"ErrorRow.stage must be one of {[s.value for s in Stage]}, got {stage!r}")
+        if code not in {c.value for c in ErrorCode}:
+            raise ValueError(f"ErrorRow.code must be one of {[c.value for c in ErrorCode]}, got {code!r}")
+        if not isinstance(self.id, str):
+            raise ValueError(f"ErrorRow.id must be a string (convert the id column value), got {self.id!r}")
+        object.__setattr__(self, "stage", stage)
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "message", str(self.message)[:MAX_MESSAGE_CHARS])
+
+
+def error_table(rows: Iterable[ErrorRow]) -> pa.Table:
+    """The errors of one part as a table with :data:`ERROR_SCHEMA`, in the order given (input order)."""
+    rows = list(rows)
+    return pa.table(
+        {
+            "id": pa.array([r.id for r in rows], pa.string()),
+            "stage": pa.array([r.stage for r in rows], pa.string()),
+            "code": pa.array([r.code for r in rows], pa.string()),
+            "message": pa.array([r.message for r in rows], pa.string()),
+        },
+        schema=ERROR_SCHEMA,
+    )
+
+
+@dataclass(frozen=True)
+class ErrorBudget:
+    """How many rows may fail before the job fails: at most ``max_error_fraction`` of all input rows.
+
+    The budget is judged over the whole job (all parts, including those committed by earlier runs), so a
+    resumed job reaches the same verdict as an uninterrupted one.
+    """
+
+    max_error_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        f = self.max_error_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 <= f <= 1:
+            raise ValueError(
+                "runtime.max_error_fraction must be a number between 0 and 1, "
+                f"got {self.max_error_fraction!r}"
+            )
+
+    def allowed_errors(self, total_rows: int) -> int:
+        """The largest number of failed rows still within budget for a job of ``total_rows`` rows."""
+        if total_rows < 0:
+            raise ValueError(f"total_rows must be >= 0, got {total_rows}")
+        # floor with a tolerance so that e.g. 0.07 * 100 (= 7.000000000000001) allows exactly 7
+        return int(math.floor(self.max_error_fraction * total_rows + 1e-9))
+
+    def exceeded(self, error_rows: int, total_rows: int) -> bool:
+        """True when ``error_rows`` failures out of ``total_rows`` rows break the budget."""
+        return error_rows > self.allowed_errors(total_rows)
+
+    def check(self, error_rows: int, total_rows: int) -> None:
+        """Raise :class:`ErrorBudgetExceeded` (exit 3) when the budget is broken."""
+        if self.exceeded(error_rows, total_rows):
+            raise ErrorBudgetExceeded(error_rows, total_rows, self.max_error_fraction)

@@ -1,0 +1,123 @@
+"""Run statistics and the run summary (schemas/summary.schema.json)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class RunStats:
+    """Counts for one run; rows/parts of earlier runs are added from the output store at the start."""
+
+    rows_total: int
+    parts_total: int
+    rows_resumed: int = 0
+    parts_resumed: int = 0
+    ok_resumed: int = 0
+    errored_resumed: int = 0
+    rows_ok: int = 0
+    rows_errored: int = 0
+    parts_committed: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    by_stage: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    engines: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0]))
+    started_at: str = field(default_factory=utc_now)
+    start: float = field(default_factory=time.monotonic)
+
+    def add_batch(self, batch: pa.Table) -> tuple[int, int, int]:
+        """Count a batch of ENGINE_SCHEMA rows; returns (rows, errored, output tokens) for progress."""
+        names = ["__err_stage", "__err_code", "__plen", "__ntok", "__engine", "__gen_s"]
+        rows = batch.select(names).to_pylist()
+        errored = out_tokens = 0
+        for r in rows:
+            ntok = r["__ntok"] or 0
+            out_tokens += ntok
+            if r["__engine"] is not None:
+                e = self.engines[r["__engine"]]
+                e[0] += 1
+                e[1] += ntok
+                e[2] += r["__gen_s"] or 0.0
+                self.prompt_tokens += r["__plen"] or 0
+            if r["__err_stage"] is not None:
+                errored += 1
+                self.by_stage[r["__err_stage"]][r["__err_code"]] += 1
+        self.rows_errored += errored
+        self.rows_ok += len(rows) - errored
+        self.output_tokens += out_tokens
+        return len(rows), errored, out_tokens
+
+    @property
+    def errored_total(self) -> int:
+        return self.errored_resumed + self.rows_errored
+
+    def error_fraction(self) -> float:
+        return self.errored_total / self.rows_total if self.rows_total else 0.0
+
+    def summary(self, *, job: str | None, output: str, fingerprint: str | None, max_fraction: float,
+                exit_code: int) -> dict[str, Any]:
+        wall = time.monotonic() - self.start
+        from deepinfer import __version__
+
+        engines = [
+            {"engine": name, "rows": int(v[0]), "output_tokens": int(v[1]), "busy_seconds": round(v[2], 6),
+             "output_tokens_per_second": round(v[1] / v[2], 3) if v[2] > 0 else 0.0}
+            for name, v in sorted(self.engines.items())
+        ]
+        return {
+            "job": job, "output": output, "fingerprint": fingerprint,
+            "status": "succeeded" if exit_code == 0 else "error_budget_exceeded", "exit_code": exit_code,
+            "deepinfer_version": __version__, "started_at": self.started_at, "finished_at": utc_now(),
+            "wall_seconds": round(wall, 3),
+            "rows": {"total": self.rows_total, "ok": self.ok_resumed + self.rows_ok,
+                     "errored": self.errored_total, "this_run": self.rows_ok + self.rows_errored,
+                     "resumed": self.rows_resumed},
+            "parts": {"total": self.parts_total, "committed_this_run": self.parts_committed,
+                      "resumed": self.parts_resumed},
+            "tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens,
+                       "output_per_second": round(self.output_tokens / wall, 3) if wall > 0 else 0.0},
+            "errors": {"fraction": round(self.error_fraction(), 6), "max_fraction": max_fraction,
+                       "by_stage": {s: dict(sorted(c.items())) for s, c in sorted(self.by_stage.items())}},
+            "engines": engines,
+        }
+
+
+def validate_summary(summary: dict) -> None:
+    """Raise jsonschema.ValidationError if `summary` breaks schemas/summary.schema.json (a bug)."""
+    from jsonschema import Draft202012Validator
+
+    from .spec_schema import load_schema
+
+    Draft202012Validator(load_schema("summary.schema.json")).validate(summary)
+
+
+def format_summary(s: dict) -> str:
+    """Human-readable end-of-run report."""
+    rows, tok, err = s["rows"], s["tokens"], s["errors"]
+    lines = [
+        f"deepinfer job {s['job'] or ''} -> {s['output']}: {s['status']} (exit {s['exit_code']})",
+        f"  rows      {rows['ok']} ok, {rows['errored']} errored of {rows['total']} "
+        f"({rows['this_run']} this run, {rows['resumed']} resumed)",
+        f"  parts     {s['parts']['committed_this_run']} committed this run, "
+        f"{s['parts']['resumed']} resumed, "
+        f"{s['parts']['total']} total",
+        f"  tokens    {tok['prompt']} in, {tok['output']} out, {tok['output_per_second']:.1f} out tok/s",
+        f"  errors    {err['fraction']:.2%} of rows (budget {err['max_fraction']:.2%})",
+        f"  wall time {s['wall_seconds']:.1f}s",
+    ]
+    for stage, codes in err["by_stage"].items():
+        lines.append(f"    {stage}: " + ", ".join(f"{c} x{n}" for c, n in codes.items()))
+    for e in s["engines"]:
+        lines.append(f"  engine {e['engine']}: {e['rows']} rows, {e['output_tokens']} tokens, "
+                     f"{e['output_tokens_per_second']:.1f} tok/s while busy")
+    return "\n".join(lines)

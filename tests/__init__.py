@@ -1,0 +1,1 @@
+"""deepinfer's test suite (a package, so test modules can share helpers through relative imports)."""
