@@ -48,6 +48,33 @@ def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bo
     return {"seconds": dt, "output_tokens": n_out, "tokens": [o.token_ids[:8] for o in outs[:4]]}
 
 
+def profile_deepinfer(model_dir: Path, prompts, deterministic: bool, out: str | None) -> None:
+    """A short decode-heavy run under torch.profiler: where a step's time goes (device kernels, host)."""
+    from deepinfer.engine import LLM, SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
+              deterministic=deterministic, max_model_len=len(prompts[0]) + 64,
+              max_num_seqs=len(prompts), gpu_memory_utilization=0.85)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    print(f"profiled generate: {dt:.2f}s for {len(prompts)} prompts x 16 tokens")
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table)
+    if out:
+        by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+        Path(out).write_text(table + "\n\n" + by_cpu)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def bench_hf(model_dir: Path, prompts, output_len: int, batch: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -83,12 +110,16 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table here and exit")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_shape(args.shape, tmp)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab)
+    if args.profile:
+        profile_deepinfer(model_dir, prompts, deterministic=True, out=args.profile)
+        return
     total_in = args.num_prompts * args.prompt_len
     ceiling = CEILING_FLOPS / (2 * PARAMS[args.shape])
     rows = {}

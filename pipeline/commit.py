@@ -21,6 +21,7 @@ when it leads one) the n-th time it reaches ``point`` (:data:`KILL_POINTS`); a n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Mapping, Sequence
@@ -154,7 +155,8 @@ class OutputStore(OutputReader):
             removed = self._cleanup(sweep=False)
             self._lease.wait_while_others_clean(self._cleanup_wait_s)
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # keep the original failure, not a second one
+                self.close()
             raise
         committed = frozenset(self.committed_part_ids())
         return ResumeState(committed, False, existing is not None and not restarted, restarted, removed)
@@ -251,8 +253,8 @@ class OutputStore(OutputReader):
         Call only when the job succeeded (exit 0); with the error budget exceeded leave ``_SUCCESS`` out, so
         that a rerun reaches the same verdict instead of a no-op.
         """
-        if self._job is None:
-            raise RuntimeError("OutputStore.begin() must be called first")
+        if self._job is None or self._lease is None:
+            raise RuntimeError("call OutputStore.begin() first (and not on a job it found complete)")
         missing = sorted(set(self._plan) - self.committed_part_ids())
         if missing:
             raise RuntimeError(f"write_success with {len(missing)} uncommitted part(s), e.g. {missing[:3]}")

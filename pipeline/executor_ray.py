@@ -1,9 +1,10 @@
 """The Ray Data executor (the product path).
 
 Dataset plan: part descriptors -> read (task) -> prompt (task) -> tokenize + length-sort per sort window
-(actors holding the tokenizer) -> engine (one actor per engine; num_gpus=1 each on GPU clusters) -> the
-driver, which iterates the results as they stream out and commits each part when its last row is back.
-Each engine actor has runtime.max_batches_in_flight batches queued so it never waits for input.
+(actors holding the tokenizer) -> streaming repartition into engine batches -> engine (one actor per
+engine; num_gpus=1 each on GPU clusters) -> the driver, which iterates the results as they stream out and
+commits each part when its last row is back. Each engine actor has runtime.max_batches_in_flight batches
+queued so it never waits for input.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def engine_count(requested: int | None, session: RaySession, use_gpu: bool) -> i
     return max(1, session.num_gpus) if use_gpu else 1
 
 
-def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession) -> float:
+def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession, split: bool) -> float:
     """CPUs per engine actor, lowered when the actors would leave nothing for the CPU stages (which
-    would stall the pipeline forever on a small machine)."""
-    spare = session.num_cpus - 2 * _LIGHT_CPUS  # one read/prompt task and one tokenizer actor at least
+    would stall the pipeline forever on a small machine). The CPU stages need one read/prompt task and one
+    tokenizer actor at least, plus one whole CPU for the batch splitter when there are several engines."""
+    spare = session.num_cpus - 2 * _LIGHT_CPUS - (1.0 if split else 0.0)
     if engines * engine_cpus <= spare:
         return engine_cpus
     fitted = max(spare / engines, 0.01)
@@ -136,7 +138,8 @@ def run_ray(plan: StagePlan, parts: list[dict[str, Any]], session: RaySession, e
         return
     use_gpu = uses_gpus(plan, session)
     engines = engine_count(engines, session, use_gpu)
-    engine_cpus = fit_engine_cpus(engine_cpus, engines, session)
+    split = engines > 1
+    engine_cpus = fit_engine_cpus(engine_cpus, engines, session, split)
     ds = ray.data.from_items(part_items(parts), override_num_blocks=len(parts))
     ds = ds.map_batches(read_batch, fn_kwargs={"plan": plan}, batch_size=1, batch_format="pyarrow",
                         num_cpus=_LIGHT_CPUS)
@@ -145,6 +148,11 @@ def run_ray(plan: StagePlan, parts: list[dict[str, Any]], session: RaySession, e
     ds = ds.map_batches(TokenizeActor, fn_constructor_kwargs={"plan": plan}, batch_size=plan.sort_window,
                         batch_format="pyarrow", num_cpus=_LIGHT_CPUS,
                         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, engines)))
+    if split:
+        # A sort window leaves the tokenizer as one block and Ray Data hands whole blocks to actor tasks:
+        # cut it (in order, streaming) into engine batches so that every engine gets work. (Ray runs this
+        # splitter as tasks of one CPU each; fit_engine_cpus keeps that CPU free.)
+        ds = ds.repartition(target_num_rows_per_block=plan.batch_size)
     ds = ds.map_batches(
         EngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=plan.batch_size, batch_format="pyarrow",
         num_gpus=1 if use_gpu else 0, num_cpus=engine_cpus,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .assemble import PartAssembler, keep_types_from_jsonl, keep_types_from_parquet
 from .errors import ErrorBudget
@@ -101,28 +102,36 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[dict], options: SubmitO
 
 
 class PartCollector:
-    """Gathers result rows per part; yields (part, rows) the moment a part is complete."""
+    """Gathers result rows per part; returns (part, rows) the moment the last distinct row of a part is back.
+
+    Rows are keyed by input position, so a row delivered twice (a retried task) is kept once, and rows of an
+    already completed part are ignored.
+    """
 
     def __init__(self, parts: list[dict]) -> None:
         self.parts = {p["part_id"]: p for p in parts}
         self.rows: dict[str, list[pa.Table]] = {}
-        self.counts: dict[str, int] = {}
+        self.seen: dict[str, set[int]] = {}
+        self.done: set[str] = set()
 
     def add(self, batch: pa.Table) -> list[tuple[dict, pa.Table]]:
-        done = []
+        complete = []
         ids = batch.column("__part")
         for part_id in sorted(set(ids.to_pylist())):
-            rows = batch.filter(pa.compute.equal(ids, part_id))
+            if part_id in self.done:
+                continue
+            rows = batch.filter(pc.equal(ids, part_id))
             self.rows.setdefault(part_id, []).append(rows)
-            self.counts[part_id] = self.counts.get(part_id, 0) + rows.num_rows
+            self.seen.setdefault(part_id, set()).update(rows.column("__row").to_pylist())
             part = self.parts[part_id]
-            if self.counts[part_id] >= part["num_rows"]:
+            if len(self.seen[part_id]) == part["num_rows"]:
                 table = pa.concat_tables(self.rows.pop(part_id))
-                # A retried task may deliver a row twice: keep one copy per input position.
                 if table.num_rows != part["num_rows"]:
                     table = _dedupe_rows(table)
-                done.append((part, table))
-        return done
+                del self.seen[part_id]
+                self.done.add(part_id)
+                complete.append((part, table))
+        return complete
 
     def pending(self) -> list[str]:
         return sorted(self.rows)
@@ -130,7 +139,7 @@ class PartCollector:
 
 def _dedupe_rows(table: pa.Table) -> pa.Table:
     rows = table.column("__row").to_pylist()
-    first = {}
+    first: dict[int, int] = {}
     for i, r in enumerate(rows):
         first.setdefault(r, i)
     return table.take(pa.array(sorted(first.values()), type=pa.int64()))

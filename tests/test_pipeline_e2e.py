@@ -82,8 +82,8 @@ def labeling_spec(model_dir: str, input_path: Path, output: Path, **runtime) -> 
     }
 
 
-def test_jsonl_chat_schema_job_is_byte_identical_on_ray_with_two_engines_and_local(tmp_path, ray_session, model_dir,
-                                                                  jsonl_input) -> None:
+def test_jsonl_chat_schema_job_is_byte_identical_on_ray_with_two_engines_and_local(
+        tmp_path, ray_session, model_dir, jsonl_input) -> None:
     outs = {}
     for executor, engines in (("local", None), ("ray", 2)):
         out = tmp_path / executor
@@ -303,3 +303,21 @@ def test_killed_submit_resumes_to_the_same_bytes(tmp_path, model_dir) -> None:
     assert len(list((out / "_commits").glob("*.json"))) == 1 and not (out / "_SUCCESS").exists()
     assert main(["submit", spec]) == 0
     assert output_digest(out) == output_digest(reference)
+
+
+def test_part_collector_completes_parts_once_despite_duplicate_rows() -> None:
+    from deepinfer.pipeline import columns as C
+    from deepinfer.pipeline.runner import PartCollector
+
+    def rows(part: str, idx: list[int]) -> pa.Table:
+        n = len(idx)
+        return C.table({"__part": [part] * n, "__file": [0] * n, "__row": idx, "__source": ["s"] * n,
+                        "__row_id": [str(i) for i in idx], "__keep": ["{}"] * n}, C.ENGINE_SCHEMA)
+
+    collector = PartCollector([{"part_id": "A", "num_rows": 3}, {"part_id": "B", "num_rows": 2}])
+    assert collector.add(pa.concat_tables([rows("A", [0, 1]), rows("B", [5])])) == []
+    assert collector.add(rows("A", [1])) == []  # a retried row: A still lacks row 2
+    done = collector.add(pa.concat_tables([rows("A", [2]), rows("B", [6])]))
+    got = [(p["part_id"], t.column("__row").to_pylist()) for p, t in done]
+    assert got == [("A", [0, 1, 2]), ("B", [5, 6])]
+    assert collector.add(rows("A", [0])) == [] and collector.pending() == []

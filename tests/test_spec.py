@@ -72,6 +72,9 @@ BAD_SPECS = [
      "prompt.system: only used"),
     ("bad chat date", "prompt.chat_date", "yesterday", "prompt.chat_date: 'yesterday' does not match"),
     ("output equals input", "output.path", "data/in.jsonl", "output.path: must differ from input.path"),
+    ("credentials in storage_options", "output.storage_options",
+     {"client_kwargs": {"aws_secret_access_key": "x"}},
+     "output.storage_options.client_kwargs.aws_secret_access_key: credentials do not belong in a job spec"),
 ]
 
 
