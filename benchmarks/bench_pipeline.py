@@ -20,6 +20,7 @@ Record results in benchmarks/RESULTS.md with the command, date and GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import subprocess
@@ -113,6 +114,10 @@ def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace) -> di
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
+    # The pipeline arms run in subprocesses that need the GPU memory this engine holds.
+    del llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
     return {"arm": "engine", "seconds": seconds, "output_tokens": n_out,
             "prompt_tokens": sum(map(len, prompts)), "output_tokens_per_s": n_out / seconds}
 

@@ -174,3 +174,17 @@ class IncrementalDetokenizer:
             if self._final is None:
                 self._final = self._stable
         return self._release()
+
+
+def decode_output(tokenizer: _Decoder, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                  skip_special_tokens: bool = True) -> str:
+    """The text `IncrementalDetokenizer` would produce for these tokens (no stop strings), in one decode.
+
+    A request without stop strings needs no text until it finishes, so the engine decodes its output once
+    at the end instead of once per token. The same prompt context is used, so the result matches the
+    incremental text (the tests compare them).
+    """
+    det = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    det._window.extend(output_token_ids)
+    det.finish()
+    return det.text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, decode_output
 from .outputs import RequestOutput
 from .sequence import Sequence
 
@@ -21,10 +21,12 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         p = seq.params
-        seq.extra["detok"] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
-            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
-        )
+        if p.stop:
+            # Only stop strings need text while generating; other requests are decoded once at the end.
+            seq.extra["detok"] = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+            )
         if self.structured is not None and p.constrained:
             seq.extra["grammar"] = self.structured.new_matcher(p)
 
@@ -36,22 +38,28 @@ class OutputProcessor:
             self.structured.accept(grammar, token_id)
             if self.structured.is_terminated(grammar):
                 reason = "stop"
-        detok: IncrementalDetokenizer = seq.extra["detok"]
-        detok.add_token(token_id)
-        if detok.stopped:
-            reason = "stop"
+        detok: IncrementalDetokenizer | None = seq.extra.get("detok")
+        if detok is not None:
+            detok.add_token(token_id)
+            if detok.stopped:
+                reason = "stop"
         return reason
 
     def build_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        detok: IncrementalDetokenizer = seq.extra.pop("detok")
-        detok.finish()
+        detok: IncrementalDetokenizer | None = seq.extra.pop("detok", None)
+        if detok is not None:
+            detok.finish()
+            text = detok.text
+        else:
+            text = decode_output(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
+                                 seq.params.skip_special_tokens)
         seq.extra.pop("grammar", None)
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
             token_ids=list(seq.output_token_ids),
-            text=detok.text,
+            text=text,
             finish_reason=seq.finish_reason or "length",
             logprobs=seq.logprobs,
             seed=seq.seed,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,20 @@ RESERVED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "
 DEFAULT_ID_COLUMN = "id"
 
 
-SECRET_WORDS = ("secret", "password", "token", "key_id", "access_key", "credential")
+SECRET_WORDS = ("secret", "password", "passwd", "credential", "credentials")
+SECRET_PARTS = ("access_key", "key_id", "api_key", "private_key")
 
 
 def looks_secret(key: str) -> bool:
-    """True for option names that hold credentials (key, secret, token, aws_access_key_id, ...)."""
+    """True for option names that hold credentials (secret, aws_access_key_id, session_token, ...).
+
+    Sampling names such as max_tokens or stop_token_ids are not secrets: "token" counts only as the
+    last word of the name.
+    """
     k = key.lower()
-    return k in ("key", "secret", "token") or any(w in k for w in SECRET_WORDS)
+    words = re.split(r"[^a-z0-9]+", k)
+    return (k == "key" or words[-1] == "token" or any(w in SECRET_WORDS for w in words)
+            or any(p in k for p in SECRET_PARTS))
 
 
 def redact(value: Any) -> Any:

@@ -208,3 +208,19 @@ def test_works_with_tokenizer_files_on_disk(tmp_path: Path) -> None:
     t = Tokenizer.from_dir(tmp_path)
     ids = t.encode("Rain later 🌧", add_special_tokens=False)
     assert "".join(run(IncrementalDetokenizer(t, t.encode("Forecast:")), ids)) == "Rain later 🌧"
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_one_shot_decode_equals_incremental_text(tok: Tokenizer, seed: int,
+                                                 skip_special_tokens: bool) -> None:
+    from deepinfer.engine.detokenizer import decode_output
+
+    rng = random.Random(100 + seed)
+    ids = tok.encode(rng.choice(TEXTS), add_special_tokens=False)
+    for _ in range(rng.randint(0, 15)):
+        ids.insert(rng.randint(0, len(ids)), rng.randrange(tok.vocab_size))
+    prompt = tok.encode(PROMPT + rng.choice(TEXTS))[-rng.randint(0, 9):]
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+    incremental = "".join(run(detok, ids))
+    assert decode_output(tok, prompt, ids, skip_special_tokens) == incremental
