@@ -71,7 +71,7 @@ ENGINE_SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_thirty_mixed_requests_match_hf(arch, setting, checkpoints, hf_greedy):
     llm = LLM(model=str(checkpoints(arch)), device="cpu", dtype="float32", **ENGINE_SETTINGS[setting])
     prompts = _prompts(30, llm.model_config.vocab_size, seed=2, shared_prefix=20)
