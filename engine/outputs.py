@@ -20,7 +20,3 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     seed: int | None = None            # the seed the sampler used (given or derived)
     metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return True

@@ -155,7 +155,7 @@ def derive_seed(*parts: Any) -> int:
 # Fields that only decide when to stop or what to report; they are left out of the default seed so that,
 # e.g., raising max_tokens extends a request's output instead of changing it.
 _NON_DISTRIBUTION_FIELDS = frozenset(
-    {"seed", "max_tokens", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs", "_extra"}
+    {"seed", "max_tokens", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs"}
 )
 _FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -34,8 +34,6 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Filled by the engine: tokens that end the request besides stop_token_ids (the model's EOS ids).
-    _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ValueError:
