@@ -195,3 +195,15 @@ def test_shipped_job_specs_validate() -> None:
         spec = load_spec(path)
         assert isinstance(spec, JobSpec)
         json.dumps(spec.document)  # the resolved document is what _job.json records
+
+
+@pytest.mark.parametrize("key, secret", [
+    ("max_tokens", False), ("stop_token_ids", False), ("endpoint_url", False), ("client_kwargs", False),
+    ("token", True), ("aws_session_token", True), ("key", True), ("aws_access_key_id", True),
+    ("AWS_SECRET_ACCESS_KEY", True), ("password", True), ("api_key", True),
+])
+def test_only_credential_names_look_secret(key: str, secret: bool) -> None:
+    from deepinfer.pipeline.spec import looks_secret, redact
+
+    assert looks_secret(key) is secret
+    assert (redact({key: 7})[key] == "<redacted>") is secret
