@@ -132,8 +132,10 @@ def bench_gemm_sweep(ms: list[int]) -> list[dict]:
 # ------------------------------------------------------------------------------------ norm, activation
 
 def bench_pointwise(ms: list[int]) -> list[dict]:
-    from deepinfer.kernels.activation import silu_and_mul, silu_and_mul_ref
-    from deepinfer.kernels.rmsnorm import rms_norm, rms_norm_ref
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.reference.activation import silu_and_mul_ref
+    from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
+    from deepinfer.kernels.rmsnorm import rms_norm
 
     rows = []
     h, inter = 4096, 14336
@@ -162,7 +164,8 @@ def bench_pointwise(ms: list[int]) -> list[dict]:
 
 def _paged_setup(lens: list[int], hq: int, hkv: int, d: int, block_size: int):
     from deepinfer.kernels.paged_attention import store_kv
-    from deepinfer.kernels.testing import SeqStep, build_metadata, random_block_lists
+
+    from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
 
     blocks, num_blocks = random_block_lists(lens, block_size, seed=0)
     total = sum(lens)
@@ -190,7 +193,8 @@ def _sdpa_gqa_ms(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> float 
 
 def bench_attention() -> list[dict]:
     from deepinfer.kernels.paged_attention import paged_attention
-    from deepinfer.kernels.testing import SeqStep, build_metadata
+
+    from tests.support.paged_batches import SeqStep, build_metadata
 
     hq, hkv, d, bs = ATTENTION_HEADS
     scale = d ** -0.5

@@ -40,7 +40,7 @@ SHAPES = {
 def write_random_checkpoint(shape: str, root: Path) -> Path:
     """A Llama checkpoint with random bf16 weights (HF names) and the demo tokenizer."""
     import torch
-    from deepinfer.engine.demo_model import demo_config, write_tokenizer_files
+    from deepinfer.engine.models.demo import demo_config, write_tokenizer_files
     from safetensors.torch import save_file
 
     d = root / shape
@@ -100,7 +100,7 @@ def spec_doc(model_dir: str, data: Path, out: Path, args: argparse.Namespace, so
 def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace) -> dict:
     import torch
     from deepinfer.engine import LLM, SamplingParams
-    from deepinfer.engine.tokenizer import Tokenizer
+    from deepinfer.engine.text.tokenizer import Tokenizer
 
     texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
     prompts = Tokenizer.from_dir(model_dir).encode_batch(texts)

@@ -45,7 +45,7 @@ def run(llm, prompts, params) -> dict:
 
 def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
     """Host-side cost per step of the constrained batch alone: mask fill, mask apply, matcher advance."""
-    from deepinfer.engine.sequence import Sequence
+    from deepinfer.engine.core.sequence import Sequence
 
     m = llm.structured
     seqs = [Sequence(seq_id=i, prompt_token_ids=[5] * 8, params=p, seed=i) for i, p in enumerate(params)]
@@ -85,7 +85,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from deepinfer.engine import LLM, SamplingParams
-    from deepinfer.engine.structured.check import output_satisfies
+
+    from tests.support.check import output_satisfies
 
     model_dir = write_shape(args.shape, Path(tempfile.mkdtemp()))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -1,6 +1,6 @@
 """Measure the two grammar libraries (xgrammar, llguidance) on deepinfer's own constraint table.
 
-For every case of `deepinfer.engine.structured.spec_catalog` and each library this measures, on the CPU:
+For every case of `tests.support.spec_catalog` and each library this measures, on the CPU:
   * compile: building the grammar for the spec, cold (xgrammar: a compiler with its cache off;
     llguidance: grammar text + `LLMatcher` construction), and the first mask (llguidance builds its lexer
     lazily, so compile + first mask is the fair "time to first token mask");
@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 import torch
-from deepinfer.engine.structured.check import output_satisfies
 from deepinfer.engine.structured.normalize import prepare_json_schema, prepare_regex
-from deepinfer.engine.structured.spec_catalog import ALL_CASES, REJECTED_CASES, SpecCase
 from tokenizers import Tokenizer
+
+from tests.support.check import output_satisfies
+from tests.support.spec_catalog import ALL_CASES, REJECTED_CASES, SpecCase
 
 SEPARATORS = (", ", ": ")
 
@@ -237,7 +238,8 @@ def finish_rates(tokenizer_path: Path, vocab_size: int, eos: list[int], walks: i
     """deepinfer's manager on the table: share of random walks that finish within max_tokens, and validity."""
     from deepinfer.engine import SamplingParams
     from deepinfer.engine.structured.manager import StructuredOutputManager
-    from deepinfer.engine.structured.random_walk import random_walks
+
+    from tests.support.random_walk import random_walks
 
     tok = Tokenizer.from_file(str(tokenizer_path))
     lines = [f"== deepinfer StructuredOutputManager: {walks} walks per case at temperature 1.0"]
@@ -278,7 +280,7 @@ def main() -> None:
     # The walks' torch ops are tiny; OpenMP threads spinning beside the grammar threads only add noise.
     torch.set_num_threads(1)
     if args.tokenizer is None:
-        from deepinfer.engine.demo_model import write_tokenizer_files
+        from deepinfer.engine.models.demo import write_tokenizer_files
 
         tmp = Path(tempfile.mkdtemp())
         write_tokenizer_files(tmp)

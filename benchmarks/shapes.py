@@ -35,7 +35,7 @@ PARAMS = {"llama-3.1-8b": 8.03e9, "qwen2.5-0.5b": 0.494e9}
 
 def write_shape(name: str, root: Path) -> Path:
     """A model dir holding the shape's config.json and the demo tokenizer (weights come from `dummy`)."""
-    from deepinfer.engine.demo_model import write_tokenizer_files
+    from deepinfer.engine.models.demo import write_tokenizer_files
 
     d = root / name
     d.mkdir(parents=True, exist_ok=True)

@@ -8,23 +8,22 @@ import time
 from collections.abc import Sequence as SeqType
 
 import torch
-
-from .block_manager import BlockManager
-from .config import CacheConfig, SchedulerConfig
-from .engine_core import EngineCore
-from .kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
-from .layers.ops import make_ops
-from .loader import iter_weights, resolve_dtype, resolve_model_dir
-from .model_config import ModelConfig
-from .model_runner import ModelRunner
-from .models.registry import build_model
-from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .rng import request_seed
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .tokenizer import Tokenizer
+from deepinfer.engine.core.block_manager import BlockManager
+from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from deepinfer.engine.core.scheduler import Scheduler
+from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.layers.backends import make_ops
+from deepinfer.engine.models.config import ModelConfig
+from deepinfer.engine.models.loader import iter_weights, resolve_dtype, resolve_model_dir
+from deepinfer.engine.models.registry import build_model
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.runner.model_runner import ModelRunner
+from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.sample.rng import request_seed
+from deepinfer.engine.text.output_processor import OutputProcessor
+from deepinfer.engine.text.tokenizer import Tokenizer
 
 _DEVICES = ("auto", "cuda", "cpu")
 
@@ -123,7 +122,7 @@ class LLM:
     def structured(self):
         """The structured-output manager, created on first use and shared by runner and output processor."""
         if self._structured is None:
-            from .structured.manager import StructuredOutputManager
+            from deepinfer.engine.structured.manager import StructuredOutputManager
 
             self._structured = StructuredOutputManager(
                 self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids,

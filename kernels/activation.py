@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ._checks import check_tensor
+from deepinfer.kernels._checks import check_tensor
 
 _BLOCK = 1024
 
@@ -45,9 +44,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x, out, i, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4,
         )
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Plain-torch reference, as HF's LlamaMLP applies it."""
-    i = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[:, :i]) * x[:, i:]

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from ._checks import check_same_dtype, check_tensor
+from deepinfer.kernels._checks import check_same_dtype, check_tensor
 
 
 @dataclass(frozen=True)
@@ -163,11 +162,3 @@ def bi_linear(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-def bi_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch reference: float64 matmul (+ bias), rounded once to x's dtype (no TF32 involved)."""
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out = out + bias.double()
-    return out.to(x.dtype)

@@ -24,15 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-
-from ..engine.layers.attention_metadata import KV_CHUNK
-from ._checks import check_same_dtype, check_tensor, is_power_of_two
-from .store_kv import store_kv, store_kv_ref
+from deepinfer.kernels._checks import is_power_of_two
+from deepinfer.kernels.metadata import KV_CHUNK
+from deepinfer.kernels.reference.attention import check_attention_args
 
 if TYPE_CHECKING:
-    from ..engine.layers.attention_metadata import AttentionMetadata
+    from deepinfer.kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention", "paged_attention_ref", "store_kv", "store_kv_ref", "attention_tile_config"]
+__all__ = ["paged_attention", "attention_tile_config"]
 
 _LOG2E = 1.4426950408889634
 _PLAN_ATTR = "_paged_attention_plans"
@@ -153,40 +152,6 @@ def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) ->
     return tensor
 
 
-def _check_attention_args(q, k_cache, v_cache, meta) -> None:
-    check_tensor("q", q, ndim=3)
-    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
-    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
-    check_same_dtype("k_cache", k_cache, q.dtype)
-    check_same_dtype("v_cache", v_cache, q.dtype)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"k_cache: head_dim {cache_dim} differs from q's {head_dim}")
-    if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
-        raise ValueError(f"q: head_dim {head_dim} unsupported (must be a power of two in [16, 256])")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q: {num_q_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    if meta.block_size != block_size:
-        raise ValueError(f"meta.block_size={meta.block_size} differs from k_cache's block size {block_size}")
-    if meta.num_tokens != num_tokens:
-        raise ValueError(f"q: {num_tokens} tokens, but meta describes {meta.num_tokens}")
-    if len(meta.query_lens_cpu) != meta.num_seqs or sum(meta.query_lens_cpu) != num_tokens:
-        raise ValueError(f"meta.query_lens_cpu {meta.query_lens_cpu} does not add up to {num_tokens} tokens")
-    int_dtypes = (torch.int32, torch.int64)
-    for name, ndim in (("query_start_loc", 1), ("positions", 1), ("block_tables", 2)):
-        check_tensor(f"meta.{name}", getattr(meta, name), ndim=ndim, dtypes=int_dtypes, device=q.device)
-    if meta.positions.stride(0) != 1 or meta.query_start_loc.stride(0) != 1:
-        raise ValueError("meta.positions and meta.query_start_loc must be contiguous")
-    if meta.query_start_loc.shape[0] != meta.num_seqs + 1 or meta.block_tables.shape[0] < meta.num_seqs:
-        raise ValueError(
-            f"meta: query_start_loc has {meta.query_start_loc.shape[0]} entries and block_tables "
-            f"{meta.block_tables.shape[0]} rows for {meta.num_seqs} sequences"
-        )
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -199,8 +164,10 @@ def paged_attention(
     The new token at absolute position p (meta.positions) of sequence b attends to positions [0, p] of b,
     read through meta.block_tables[b]; this step's keys/values must already be in the cache (`store_kv`).
     """
-    _check_attention_args(q, k_cache, v_cache, meta)
+    check_attention_args(q, k_cache, v_cache, meta)
     num_tokens, num_q_heads, head_dim = q.shape
+    if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"q: head_dim {head_dim} unsupported (must be a power of two in [16, 256])")
     num_kv_heads = k_cache.shape[2]
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -220,36 +187,4 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
-
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Plain-torch reference: per sequence, gather its context through the block table and run causal
-    softmax attention in fp32 (query at position p sees positions <= p)."""
-    _check_attention_args(q, k_cache, v_cache, meta)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
-    qsl = meta.query_start_loc.tolist()
-    for b, ctx in enumerate(meta.seq_lens_cpu):
-        lo, hi = qsl[b], qsl[b + 1]
-        if hi == lo:
-            continue
-        kv_pos = torch.arange(ctx, device=q.device)
-        blocks = meta.block_tables[b, kv_pos // block_size].long()
-        k = k_cache[blocks, kv_pos % block_size].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_cache[blocks, kv_pos % block_size].float().repeat_interleave(group, dim=1)
-        qb = q[lo:hi].float()                                                          # [n, Hq, D]
-        scores = torch.einsum("nhd,chd->hnc", qb, k) * scale
-        allowed = kv_pos[None, :] <= meta.positions[lo:hi, None]                        # [n, ctx]
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[lo:hi] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ._checks import check_same_dtype, check_tensor
+from deepinfer.kernels._checks import check_same_dtype, check_tensor
 
 # Widest chunk one program holds in registers; rows longer than this are reduced chunk by chunk.
 _MAX_BLOCK = 8192
@@ -102,17 +101,3 @@ def rms_norm(
             num_warps=num_warps,
         )
     return (out, res_out) if residual is not None else out
-
-
-def rms_norm_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference, written as Hugging Face's LlamaRMSNorm (plus the residual add before it)."""
-    h = x if residual is None else x + residual
-    hf = h.float()
-    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (weight.float() * normed.to(h.dtype).float()).to(x.dtype)
-    return out if residual is None else (out, h)

@@ -6,8 +6,8 @@ token v of row s is allowed iff bit (v % 32) of word bitmask[s, v // 32] is set.
 so unconstrained requests need no all-ones row. Each row is masked from its own bitmask row only, so the
 result is batch-invariant.
 
-`apply_token_bitmask_` dispatches to the Triton kernel on CUDA and to the plain-torch version (the
-reference the kernel is tested against) elsewhere.
+The layout, argument checks and the plain-torch version live in deepinfer.kernels.reference.token_mask;
+deepinfer.kernels.masking dispatches between the two by device.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ._checks import check_tensor
+from deepinfer.kernels.reference.token_mask import check_bitmask_args
 
 _BLOCK_V = 1024
 
@@ -42,50 +41,10 @@ def _token_bitmask_kernel(
     tl.store(logits_ptr + row * stride_logits + offs, neg_inf, mask=in_range & (allowed == 0))
 
 
-def _check_args(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor | None) -> None:
-    check_tensor("logits", logits, ndim=2)
-    check_tensor("bitmask", bitmask, ndim=2, dtypes=(torch.int32,), device=logits.device)
-    s, v = logits.shape
-    words = (v + 31) // 32
-    if bitmask.shape != (s, words):
-        raise ValueError(
-            f"bitmask: shape {tuple(bitmask.shape)}, expected ({s}, {words}) = (logits rows, ceil(V / 32)) "
-            f"for logits {tuple(logits.shape)}"
-        )
-    if row_indices is not None:
-        check_tensor("row_indices", row_indices, ndim=1, dtypes=(torch.int64, torch.int32),
-                     device=logits.device)
-        if row_indices.numel() and logits.device.type == "cpu":
-            lo, hi = int(row_indices.min()), int(row_indices.max())
-            if lo < 0 or hi >= s:
-                raise ValueError(f"row_indices: values must be in [0, {s}), got range [{lo}, {hi}]")
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [R, vocab_size]: True where the token is allowed (bit set)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor,
-                               row_indices: torch.Tensor | None = None) -> None:
-    """Plain-torch version (CPU path and the kernel's reference)."""
-    _check_args(logits, bitmask, row_indices)
-    v = logits.shape[1]
-    if row_indices is None:
-        logits.masked_fill_(~unpack_bitmask(bitmask, v), float("-inf"))
-        return
-    if row_indices.numel() == 0:
-        return
-    rows = row_indices.long()
-    logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask[rows], v), float("-inf"))
-
-
 def apply_token_bitmask_triton_(logits: torch.Tensor, bitmask: torch.Tensor,
                                 row_indices: torch.Tensor | None = None) -> None:
     """Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    _check_args(logits, bitmask, row_indices)
+    check_bitmask_args(logits, bitmask, row_indices)
     s, v = logits.shape
     n_rows = s if row_indices is None else row_indices.numel()
     if n_rows == 0 or v == 0:
@@ -100,16 +59,3 @@ def apply_token_bitmask_triton_(logits: torch.Tensor, bitmask: torch.Tensor,
         logits, bitmask, rows, v, logits.stride(0), bitmask.stride(0),
         HAS_ROWS=row_indices is not None, BLOCK_V=_BLOCK_V, num_warps=4,
     )
-
-
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
-                         row_indices: torch.Tensor | None = None) -> None:
-    """Set logits[r, v] = -inf wherever bit v of bitmask row r is clear, for r in row_indices (or all rows).
-
-    logits: float [S, V] (fp32/bf16/fp16), modified in place. bitmask: int32 [S, ceil(V/32)] on the same
-    device. row_indices: int64/int32 [R] on the same device, or None for every row.
-    """
-    if logits.is_cuda:
-        apply_token_bitmask_triton_(logits, bitmask, row_indices)
-    else:
-        apply_token_bitmask_torch_(logits, bitmask, row_indices)

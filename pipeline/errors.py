@@ -15,32 +15,54 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-EXIT_OK = 0
-EXIT_BUG = 1
-EXIT_USAGE = 2
-EXIT_ERROR_BUDGET = 3
-EXIT_FINGERPRINT_MISMATCH = 4
-EXIT_RETRYABLE = 75
+
+class ExitCode(enum.IntEnum):
+    """The CLI's exit codes (DESIGN.md's table); the only place they are defined."""
+
+    OK = 0
+    BUG = 1                 # an unexpected error: a bug in deepinfer
+    USAGE = 2               # invalid spec or usage, or an environment a person must fix
+    BUDGET = 3              # more rows quarantined than runtime.max_error_fraction allows
+    OTHER_JOB = 4           # the output path holds another job (different fingerprint)
+    VERIFY_MISMATCH = 5     # `verify` recomputed a row that differs from the committed one
+    RETRY = 75              # transient failure: run the same command again (it resumes)
 
 
 class JobError(Exception):
     """Base of the failures a job reports on purpose; ``exit_code`` is what the CLI exits with."""
 
-    exit_code: int = EXIT_BUG
+    exit_code: int = ExitCode.BUG
+
+
+class SpecError(JobError, ValueError):
+    """An invalid job spec or usage: each entry of `problems` is one 'field.path: what is wrong' line."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid job spec:\n  " + "\n  ".join(self.problems))
+
+
+class InputError(JobError, ValueError):
+    """The input cannot be read as specified (a malformed file, not a row-level problem): exit 2."""
+
+    exit_code = ExitCode.USAGE
 
 
 class FingerprintMismatch(JobError):
     """The output path already holds a job with another fingerprint (exit 4 unless ``--restart``).
 
-    ``differences`` is the human-readable list from :func:`deepinfer.pipeline.fingerprint.diff_fingerprints`.
+    ``differences`` is the human-readable list from ``output.fingerprint.diff_fingerprints``.
     """
 
-    exit_code = EXIT_FINGERPRINT_MISMATCH
+    exit_code = ExitCode.OTHER_JOB
 
     def __init__(self, output_url: str, differences: list[str]) -> None:
         self.output_url = output_url
@@ -55,7 +77,7 @@ class FingerprintMismatch(JobError):
 class ErrorBudgetExceeded(JobError):
     """More rows failed than ``max_error_fraction`` allows (exit 3, after committing what succeeded)."""
 
-    exit_code = EXIT_ERROR_BUDGET
+    exit_code = ExitCode.BUDGET
 
     def __init__(self, error_rows: int, total_rows: int, max_error_fraction: float) -> None:
         self.error_rows = error_rows
@@ -70,7 +92,7 @@ class ErrorBudgetExceeded(JobError):
 class RetryableError(JobError):
     """An infrastructure failure worth retrying later with the same command (exit 75)."""
 
-    exit_code = EXIT_RETRYABLE
+    exit_code = ExitCode.RETRY
 
 
 class RetryableStorageError(RetryableError):
@@ -186,3 +208,63 @@ class ErrorBudget:
         """Raise :class:`ErrorBudgetExceeded` (exit 3) when the budget is broken."""
         if self.exceeded(error_rows, total_rows):
             raise ErrorBudgetExceeded(error_rows, total_rows, self.max_error_fraction)
+
+
+# ---- classification of what ended a run --------------------------------------------------------
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        inner = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the user exception here
+        exc = inner if isinstance(inner, BaseException) else (exc.__cause__ or exc.__context__)
+    return chain
+
+
+def _retryable_types() -> tuple[type, ...]:
+    types: list[type] = [OSError, ConnectionError, TimeoutError, MemoryError]
+    ray = sys.modules.get("ray.exceptions")
+    if ray is not None:
+        for name in ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
+                     "NodeDiedError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
+                     "GetTimeoutError",
+                     "OutOfMemoryError", "ObjectStoreFullError"):
+            t = getattr(ray, name, None)
+            if isinstance(t, type):
+                types.append(t)
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        types.append(botocore.BotoCoreError)
+        types.append(botocore.ClientError)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda") and hasattr(torch.cuda, "OutOfMemoryError"):
+        types.append(torch.cuda.OutOfMemoryError)
+    return tuple(types)
+
+
+def classify_exception(exc: BaseException) -> tuple[ExitCode, str]:
+    """(exit code, message) for `exc`; looks through Ray's task-error wrappers at the original cause."""
+    chain = _cause_chain(exc)
+    for e in chain:
+        code = getattr(e, "exit_code", None)
+        if isinstance(e, InputError):
+            return ExitCode.USAGE, f"invalid input: {e}"
+        if isinstance(e, FingerprintMismatch):
+            return ExitCode.OTHER_JOB, f"output path holds another job: {e}"
+        if isinstance(e, RetryableError):
+            return ExitCode.RETRY, f"retryable failure: {e} (run the same command again; it resumes)"
+        if isinstance(code, int) and code in (ExitCode.USAGE, ExitCode.BUDGET, ExitCode.OTHER_JOB,
+                                              ExitCode.RETRY):
+            return ExitCode(code), str(e)
+    retryable = _retryable_types()
+    for e in chain:
+        if isinstance(e, retryable):
+            return ExitCode.RETRY, (f"retryable failure: {type(e).__name__}: {_first_line(e)} "
+                                    "(run the same command again; it resumes)")
+    return ExitCode.BUG, f"unexpected error: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""

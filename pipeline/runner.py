@@ -20,16 +20,17 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-
-from .assemble import PartAssembler, keep_types_from_jsonl, keep_types_from_parquet
-from .errors import ErrorBudget
-from .failures import EXIT_BUDGET
-from .progress import ProgressDisplay
-from .read import InputFile, list_input
-from .spec import JobSpec
-from .spec_schema import SpecError
-from .stages import StagePlan, resolve_model_dir
-from .summary import RunStats, format_summary, validate_summary
+from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError
+from deepinfer.pipeline.progress import ProgressDisplay
+from deepinfer.pipeline.spec.load import JobSpec
+from deepinfer.pipeline.stages.assemble import (
+    PartAssembler,
+    keep_types_from_jsonl,
+    keep_types_from_parquet,
+)
+from deepinfer.pipeline.stages.plan import StagePlan, resolve_model_dir
+from deepinfer.pipeline.stages.read import InputFile, list_input
+from deepinfer.pipeline.summary import RunStats, format_summary, validate_summary
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,8 @@ def check_model(spec: JobSpec) -> str:
         model_dir = resolve_model_dir(spec.model.ref)
     except ValueError as exc:
         raise SpecError([f"{field}: {exc}"]) from None
-    from deepinfer.engine.tokenizer import Tokenizer
-
-    from .prompting import model_max_len
+    from deepinfer.engine.text.tokenizer import Tokenizer
+    from deepinfer.pipeline.stages.prompt import model_max_len
 
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -79,7 +79,7 @@ def part_descriptors(listing: list[InputFile], planned: list[Any]) -> list[dict[
 
 
 def plan_job(listing: list[InputFile], rows_per_part: int) -> list[Any]:
-    from .parts import plan_parts
+    from deepinfer.pipeline.parts import plan_parts
 
     return plan_parts([(f.url, f.num_rows) for f in listing], rows_per_part)
 
@@ -87,11 +87,11 @@ def plan_job(listing: list[InputFile], rows_per_part: int) -> list[Any]:
 def _execute(spec: JobSpec, plan: StagePlan, parts: list[dict], options: SubmitOptions
              ) -> Iterator[pa.Table]:
     if spec.runtime.executor == "local":
-        from .executor_local import run_local
+        from deepinfer.pipeline.executors.local import run_local
 
         yield from run_local(plan, parts)
         return
-    from .executor_ray import connect, run_ray
+    from deepinfer.pipeline.executors.ray_data import connect, run_ray
 
     session = connect(options.address, options.verbose)
     try:
@@ -147,7 +147,7 @@ def _dedupe_rows(table: pa.Table) -> pa.Table:
 
 def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     """Run `spec` to completion; returns the exit code (0 or 3). Other failures raise."""
-    from .store_adapter import JobStore
+    from deepinfer.pipeline.output.job_store import JobStore
 
     model_dir = check_model(spec)
     listing = list_input(spec.input.path, spec.input.format, spec.input.storage_options,
@@ -194,7 +194,7 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict
                                label=spec.name or "deepinfer", enabled=options.progress)
     try:
         if budget.exceeded(stats.errored_total, stats.rows_total):
-            exit_code = EXIT_BUDGET
+            exit_code = ExitCode.BUDGET
         else:
             exit_code = _run_parts(spec, todo, options, store, assembler, stats, budget, progress)
     finally:
@@ -205,7 +205,7 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict
     if exit_code == 0:
         store.write_success(summary)
     _report(summary, options)
-    if exit_code == EXIT_BUDGET:
+    if exit_code == ExitCode.BUDGET:
         print(f"deepinfer-job: error budget exceeded: {stats.errored_total} of {stats.rows_total} rows "
               f"quarantined, more than runtime.max_error_fraction={spec.runtime.max_error_fraction}; "
               f"see errors/ under {spec.output.path}", file=sys.stderr)
@@ -230,7 +230,7 @@ def _run_parts(spec: JobSpec, todo: list[dict], options: SubmitOptions, store: A
                 stats.parts_committed += 1
                 progress.part_committed()
             if budget.exceeded(stats.errored_total, stats.rows_total):
-                return EXIT_BUDGET
+                return ExitCode.BUDGET
     finally:
         close = getattr(results, "close", None)
         if close is not None:

@@ -67,7 +67,7 @@ class RunStats:
     def summary(self, *, job: str | None, output: str, fingerprint: str | None, max_fraction: float,
                 exit_code: int) -> dict[str, Any]:
         wall = time.monotonic() - self.start
-        from deepinfer import __version__
+        from deepinfer.pipeline.version import __version__
 
         engines = [
             {"engine": name, "rows": int(v[0]), "output_tokens": int(v[1]), "busy_seconds": round(v[2], 6),
@@ -94,9 +94,8 @@ class RunStats:
 
 def validate_summary(summary: dict) -> None:
     """Raise jsonschema.ValidationError if `summary` breaks schemas/summary.schema.json (a bug)."""
+    from deepinfer.pipeline.spec.schema import load_schema
     from jsonschema import Draft202012Validator
-
-    from .spec_schema import load_schema
 
     Draft202012Validator(load_schema("summary.schema.json")).validate(summary)
 

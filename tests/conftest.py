@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .tiny_models import TINY_ARCHS, make_tiny_checkpoint
+from tests.support.tiny_models import TINY_ARCHS, make_tiny_checkpoint
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from deepinfer.engine.layers.linear import Linear
+from deepinfer.engine.layers.norm import RMSNorm
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.rotary import apply_rotary
+from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
-
-from .attention_metadata import AttentionMetadata
-from .linear import Linear
-from .norm import RMSNorm
-from .ops import Ops
-from .rotary import apply_rotary
 
 
 class PagedSelfAttention(nn.Module):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .attention_metadata import AttentionMetadata
-from .cpu_attention import chunked_paged_attention, gathered_paged_attention
-from .ops import Ops
-from .pointwise import fixed_path
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.activation import silu_and_mul_ref
+from deepinfer.kernels.reference.attention import chunked_paged_attention, paged_attention_ref
+from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
 
 # torch.mm on CPU is not row-invariant (the kernel it picks depends on M), but on a fixed M of exactly
 # this many rows it is: each row's result then depends only on that row.
@@ -16,14 +16,6 @@ LINEAR_ROW_CHUNK = 32
 # Allocator alignment of fresh CPU tensors; chunks that start elsewhere are copied so the BLAS kernel
 # never sees a differently aligned operand for the same row.
 _ALIGN_BYTES = 64
-
-
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool) -> torch.Tensor:
-    # Same op order as transformers' LlamaRMSNorm: float32 statistics, cast back, then scale.
-    xf = x.to(torch.float32)
-    variance = (xf * xf).mean(-1, keepdim=True) + eps
-    inv = fixed_path(torch.rsqrt, variance) if invariant else torch.rsqrt(variance)
-    return weight * (xf * inv).to(x.dtype)
 
 
 class CpuInvariantOps(Ops):
@@ -47,11 +39,10 @@ class CpuInvariantOps(Ops):
         return out + bias if bias is not None else out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return _rms_norm_reference(x, weight, eps, invariant=True)
+        return rms_norm_ref(x, weight, eps, invariant=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return fixed_path(F.silu, gate) * up
+        return silu_and_mul_ref(x, invariant=True)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -68,12 +59,11 @@ class CpuFastOps(Ops):
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return _rms_norm_reference(x, weight, eps, invariant=False)
+        return rms_norm_ref(x, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul_ref(x)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return gathered_paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)

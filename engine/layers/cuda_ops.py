@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from .attention_metadata import AttentionMetadata
-from .ops import Ops
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.kernels.metadata import AttentionMetadata
 
 
 def _kernels():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from deepinfer.engine.layers.ops import Ops
 from torch import nn
-
-from .ops import Ops
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | None = None) -> nn.Parameter:

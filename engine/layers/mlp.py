@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
+from deepinfer.engine.layers.linear import Linear
+from deepinfer.engine.layers.ops import Ops
 from torch import nn
-
-from .linear import Linear
-from .ops import Ops
 
 
 class GatedMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""The numeric-ops interface the models call, and `make_ops` which picks a backend for a device.
+"""The numeric-ops interface the models call (backends.make_ops picks an implementation for a device).
 
 Every backend implements the same methods. With `deterministic=True` each op is batch-invariant: a row's
 result is bitwise the same whatever other rows share the call, how a prompt was split into prefill chunks
@@ -8,8 +8,8 @@ and whether its prefix came from the cache.
 from __future__ import annotations
 
 import torch
-
-from .attention_metadata import AttentionMetadata
+from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 
 class Ops:
@@ -39,9 +39,7 @@ class Ops:
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Write k, v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at flat slots [T]."""
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        store_kv_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -54,20 +52,3 @@ class Ops:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(deterministic={self.deterministic})"
-
-
-def make_ops(device: torch.device | str, deterministic: bool = True) -> Ops:
-    """The ops backend for `device`: batch-invariant when `deterministic`, else the fastest simple one.
-
-    CUDA backends import the Triton kernels (deepinfer.kernels) lazily, so CPU use never needs them.
-    """
-    device = torch.device(device)
-    if device.type == "cpu":
-        from .cpu_ops import CpuFastOps, CpuInvariantOps
-
-        return CpuInvariantOps() if deterministic else CpuFastOps()
-    if device.type == "cuda":
-        from .cuda_ops import CudaFastOps, CudaInvariantOps
-
-        return CudaInvariantOps() if deterministic else CudaFastOps()
-    raise ValueError(f"device={device}: deepinfer runs on 'cuda' or 'cpu'")

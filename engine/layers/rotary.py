@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+from deepinfer.engine.models.config import RopeScaling
 from torch import nn
-
-from ..model_config import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,

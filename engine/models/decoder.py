@@ -12,17 +12,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from deepinfer.engine.layers.attention import PagedSelfAttention
+from deepinfer.engine.layers.linear import empty_param
+from deepinfer.engine.layers.mlp import GatedMLP
+from deepinfer.engine.layers.norm import RMSNorm
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.rotary import RotaryEmbedding
+from deepinfer.engine.models.config import ModelConfig
+from deepinfer.engine.models.weights import init_dummy_weights, load_hf_weights
+from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
-
-from ..layers.attention import PagedSelfAttention
-from ..layers.attention_metadata import AttentionMetadata
-from ..layers.linear import empty_param
-from ..layers.mlp import GatedMLP
-from ..layers.norm import RMSNorm
-from ..layers.ops import Ops
-from ..layers.rotary import RotaryEmbedding
-from ..model_config import ModelConfig
-from .weights import init_dummy_weights, load_hf_weights
 
 
 @dataclass(frozen=True)

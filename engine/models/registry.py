@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from ..layers.ops import Ops
-from ..model_config import ModelConfig
-from .decoder import ArchSpec, CausalLM
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.models.config import ModelConfig
+from deepinfer.engine.models.decoder import ArchSpec, CausalLM
 
 # Llama-family decoders share one implementation; the differences live in ArchSpec and ModelConfig
 # (qkv bias: ModelConfig.attention_bias, forced on for Qwen2; rope scaling: ModelConfig.rope_scaling).

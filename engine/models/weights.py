@@ -6,9 +6,8 @@ import re
 from collections.abc import Iterable
 
 import torch
+from deepinfer.engine.layers.norm import RMSNorm
 from torch import nn
-
-from ..layers.norm import RMSNorm
 
 # HF name pattern -> (our merged parameter, the shard order inside it)
 _MERGED = (

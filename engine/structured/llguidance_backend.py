@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import llguidance
 import torch
-
-from .backend import GrammarSpec
-from .normalize import choice_lark, prepare_json_schema, prepare_regex
+from deepinfer.engine.structured.backend import GrammarSpec
+from deepinfer.engine.structured.normalize import choice_lark, prepare_json_schema, prepare_regex
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -35,12 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from ...kernels.token_mask import apply_token_bitmask_
-from ..sampling_params import SamplingParams
-from .backend import GrammarSpec
-from .llguidance_backend import LLGuidanceBackend, LLGuidanceGrammar, LLGuidanceMatcher
-from .steering import MIN_STEER_TOKENS, BudgetSteering, JsonLexState, steering_threshold
+from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.structured.backend import GrammarSpec
+from deepinfer.engine.structured.llguidance_backend import (
+    LLGuidanceBackend,
+    LLGuidanceGrammar,
+    LLGuidanceMatcher,
+)
+from deepinfer.engine.structured.steering import (
+    MIN_STEER_TOKENS,
+    BudgetSteering,
+    JsonLexState,
+    steering_threshold,
+)
+from deepinfer.kernels.masking import apply_token_bitmask_
 
 # (row index in the bitmask, the request's grammar state, its remaining token budget or None)
 MaskRow = tuple[int, "GrammarState", "int | None"]

@@ -1,0 +1,56 @@
+"""Paged KV cache storage: one (k_cache, v_cache) pair per layer, sized from device memory or a setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepinfer.engine.core.config import CacheConfig
+
+# Memory kept free on CUDA for activations of the largest step, beyond what profiling sees.
+_CUDA_ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def blocks_that_fit(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device) -> int:
+    """How many blocks fit: `cfg.num_blocks` when set; else from free CUDA memory or `cpu_kv_cache_gib`."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
+    else:
+        budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
+    n = budget // spec.bytes_per_block
+    if n < 1:
+        raise ValueError(
+            f"no room for a KV cache on {device}: {budget / 2**30:.2f} GiB available, one block needs "
+            f"{spec.bytes_per_block / 2**20:.2f} MiB; raise gpu_memory_utilization / cpu_kv_cache_gib"
+        )
+    return int(n)
+
+
+def allocate_kv_cache(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zero-initialised so that padded/unused slots never hold NaNs that a masked read could propagate.
+    """
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    zeros = lambda: torch.zeros(shape, dtype=spec.dtype, device=device)  # noqa: E731
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]

@@ -1,0 +1,245 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, prefix caching, preemption by recompute.
+
+One engine step is ``out = schedule()`` -> model runner -> ``update(out, runner_out)``.
+
+Priority is FCFS: sequences are ordered by ``(seq.arrival, seq.seq_id)`` (lower first); `add()` must be
+called in that order. Each step:
+  1. running sequences, highest priority first, get their next tokens: 1 for a decode, the next chunk
+     for one still in (chunked) prefill. When the KV cache cannot hold them, the lowest-priority running
+     sequence is preempted by recompute (blocks freed, progress reset, back to the FRONT of the
+     waiting queue, its output tokens kept) until it fits, or the sequence preempts itself when it is
+     the lowest-priority one left.
+  2. unless something was preempted this step, waiting sequences are admitted FCFS while the token
+     budget, max_num_seqs and free blocks allow; admission reuses prefix-cached blocks.
+A prefill that does not fit the remaining token budget is chunked (enable_chunked_prefill), its end
+rounded down to a block boundary when the chunk still holds at least one block. Chunk sizes never
+change numerics: attention reduces KV in chunks aligned to absolute positions.
+
+Nothing depends on time, randomness or dict order: the same calls give the same schedule.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from deepinfer.engine.core.block_manager import BlockManager
+from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
+from deepinfer.engine.core.finish import token_finish_reason
+from deepinfer.engine.core.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
+from deepinfer.engine.core.sequence import Sequence, SequenceStatus
+
+
+def _priority(seq: Sequence) -> tuple[int, int]:
+    return (seq.arrival, seq.seq_id)
+
+
+class Scheduler:
+    """Decides which tokens of which sequences each forward pass computes."""
+
+    def __init__(
+        self,
+        sched_cfg: SchedulerConfig,
+        cache_cfg: CacheConfig,
+        block_manager: BlockManager | None = None,
+    ) -> None:
+        if cache_cfg.num_blocks is None:
+            raise ValueError("Scheduler needs CacheConfig.num_blocks resolved (got None)")
+        if block_manager is None:
+            block_manager = BlockManager(
+                cache_cfg.num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
+            )
+        bm_shape = (block_manager.num_blocks, block_manager.block_size)
+        if bm_shape != (cache_cfg.num_blocks, cache_cfg.block_size):
+            raise ValueError(
+                f"block manager ({block_manager.num_blocks} blocks of {block_manager.block_size}) does not "
+                f"match CacheConfig ({cache_cfg.num_blocks} blocks of {cache_cfg.block_size})"
+            )
+        self.cfg = sched_cfg
+        self.cache_cfg = cache_cfg
+        self.block_manager = block_manager
+        self.block_size = cache_cfg.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # kept sorted by _priority
+        self._ids: set[int] = set()           # ids of unfinished sequences, to reject duplicates
+        self._last_priority: tuple[int, int] | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def max_kv_tokens(self, seq: Sequence) -> int:
+        """KV slots `seq` needs at most: every token but the last sampled one is computed."""
+        p = seq.num_prompt_tokens
+        out_cap = self.cfg.max_model_len - p
+        if seq.params.max_tokens is not None:
+            out_cap = min(out_cap, seq.params.max_tokens)
+        return p + out_cap - 1
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Raises ValueError when it can never run: empty prompt, prompt not shorter
+        than max_model_len, or more KV than the whole cache holds (prompt + output cap - 1 tokens)."""
+        if seq.seq_id in self._ids:
+            raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
+        if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} must be new (WAITING, nothing computed, no blocks)")
+        p = seq.num_prompt_tokens
+        if p == 0:
+            raise ValueError(f"seq {seq.seq_id}: the prompt is empty; give at least one token")
+        if p >= self.cfg.max_model_len:
+            raise ValueError(
+                f"seq {seq.seq_id}: prompt of {p} tokens leaves no room for output under "
+                f"max_model_len={self.cfg.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        need = self.max_kv_tokens(seq)
+        capacity = self.block_manager.num_blocks * self.block_size
+        if need > capacity:
+            raise ValueError(
+                f"seq {seq.seq_id}: prompt of {p} tokens + up to {need + 1 - p} output tokens needs "
+                f"{need} KV slots but the cache holds {capacity} ({self.block_manager.num_blocks} blocks of "
+                f"{self.block_size}); lower max_tokens or max_model_len, or give the KV cache more memory"
+            )
+        prio = _priority(seq)
+        if self._last_priority is not None and prio < self._last_priority:
+            raise ValueError(
+                f"seq {seq.seq_id}: (arrival, seq_id)={prio} added after {self._last_priority}; "
+                "add requests in FCFS order"
+            )
+        self._last_priority = prio
+        self._ids.add(seq.seq_id)
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` from outside (stop string, grammar end, abort): frees its blocks. No-op when
+        it is already finished."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._ids.discard(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens of `seq` to compute from `start` under `budget`: all that is left when it fits, else
+        (chunked prefill) as many as fit, the end rounded down to a block boundary when that still leaves
+        at least a block (the tokens given up go to later sequences); 0 = none."""
+        remaining = seq.num_tokens - start
+        if remaining <= budget:
+            return remaining
+        if not self.cfg.enable_chunked_prefill:
+            return 0
+        aligned = (start + budget) // self.block_size * self.block_size - start
+        return aligned if aligned >= self.block_size else budget
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not bm.can_append(seq, n):
+                # The lowest-priority sequence is at the tail and not yet scheduled this step.
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            bm.append_slots(seq, n)
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.match_prefix(seq)
+            start = len(cached) * self.block_size
+            n = self._chunk(seq, start, budget)
+            if n == 0 or not bm.can_allocate(seq, n, cached):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, cached)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_priority)
+            out.scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens))
+            budget -= n
+            if start + n < seq.num_tokens:
+                break   # a chunked prefill takes the rest of this step's budget
+        return budget
+
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step. Sequences appear at most once; never more than max_num_seqs of them and
+        never more than max_num_batched_tokens tokens. Empty when nothing can run."""
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:   # blocks freed by preemption belong to older sequences: admitting would thrash
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
+        return out
+
+    def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
+        """Apply a finished step: advance computed tokens, register full blocks for prefix caching,
+        append sampled tokens (+ logprobs) and finish sequences by token rules. Returns the sequences
+        finished by this step, in batch order."""
+        sampled = {sid: i for i, sid in enumerate(runner_out.seq_ids)}
+        finished: list[Sequence] = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:     # finished from outside between schedule() and update()
+                continue
+            if seq.num_computed_tokens != s.start:
+                raise RuntimeError(
+                    f"seq {seq.seq_id}: step started at {s.start} but {seq.num_computed_tokens} are computed"
+                )
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.block_manager.mark_computed(seq)
+            if not s.sample:
+                continue
+            j = sampled.get(seq.seq_id)
+            if j is None:
+                raise RuntimeError(f"model runner returned no token for sampled seq {seq.seq_id}")
+            seq.output_token_ids.append(runner_out.token_ids[j])
+            lp = runner_out.logprobs[j] if j < len(runner_out.logprobs) else None
+            if lp is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(lp)
+            reason = token_finish_reason(seq, self.cfg.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished

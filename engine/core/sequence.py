@@ -1,0 +1,75 @@
+"""A request's mutable state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.engine.sample.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not yet admitted, or preempted and waiting to recompute
+    RUNNING = "running"      # holds KV blocks and is scheduled each step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. Token ids grow as tokens are sampled; the KV cache holds `num_computed_tokens`.
+
+    Invariant: `num_computed_tokens <= len(token_ids)`. A sequence samples a new token in a step
+    exactly when that step computes its last uncomputed token.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # the sampler's seed (given or derived; never arrival-based)
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival: int = 0                            # FCFS order
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0                # tokens whose KV is in the cache
+    num_cached_tokens: int = 0                  # prefix-cache hits at the last admission
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    # Per-request companions owned by other components (detokenizer, grammar matcher).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_range(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,115 @@
+"""Runs one scheduled step: flatten the batch, forward the model over the paged cache, sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.sample.metadata import SamplingMetadata
+from deepinfer.engine.sample.sampler import Sampler
+from deepinfer.kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class PreparedBatch:
+    """The flattened, device-resident inputs of one forward pass."""
+
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor   # int64 [S]: rows of the hidden states whose logits are sampled
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the sampler; `execute` is one engine step on the device.
+
+    Host-side batch building uses numpy and copies to the device once per tensor, so the structure
+    already suits CPU/GPU overlap (prepare step N+1 while step N runs) and CUDA-graph capture of
+    decode-only steps, which later work can add without changing the interface.
+    """
+
+    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device,
+                 structured=None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        self.structured = structured
+
+    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        bs = self.block_size
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
+        offset = 0
+        for b, s in enumerate(out.scheduled):
+            end = s.start + s.num_new_tokens
+            p = np.arange(s.start, end, dtype=np.int64)
+            table = np.asarray(s.seq.block_table, dtype=np.int64)
+            tables[b, : len(table)] = table
+            ids.append(np.asarray(s.seq.tokens_range(s.start, end), dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            offset += s.num_new_tokens
+            if s.sample:
+                sample_rows.append(offset - 1)
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+        positions = to_dev(np.concatenate(pos))
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(np.concatenate(slots)),
+            positions=positions,
+            query_start_loc=to_dev(qsl),
+            seq_lens=to_dev(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=to_dev(tables),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return PreparedBatch(
+            input_ids=to_dev(np.concatenate(ids)),
+            positions=positions,
+            meta=meta,
+            sample_indices=to_dev(np.asarray(sample_rows, dtype=np.int64)),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = out.sampled
+        seqs = [s.seq for s in sampled]
+        # Grammar masks are filled on CPU threads while the device runs the forward pass.
+        mask_job = self.structured.start_step(seqs) if self.structured is not None and seqs else None
+        batch = self.prepare(out)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if not seqs:
+            if mask_job is not None:
+                mask_job.wait()
+            return ModelRunnerOutput(seq_ids=[], token_ids=[], logprobs=[])
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        if mask_job is not None:
+            mask_job.apply(logits)
+        meta = SamplingMetadata.from_sequences(seqs, logits.shape[-1], self.device)
+        result = self.sampler(logits, meta)
+        tokens = result.token_ids.tolist()
+        return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs], token_ids=tokens, logprobs=result.logprobs)

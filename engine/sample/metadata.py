@@ -1,0 +1,222 @@
+"""Per-row sampling parameters of one step, as tensors on the logits' device.
+
+Everything the sampler branches on (which rows are greedy, which need top-k/top-p/min-p/penalties/
+min_tokens/logprobs) is decided here on the host from the SamplingParams, so the sampler never syncs with
+the device to choose a path. Row subsets are index tensors: a filter runs only on the rows that need it,
+and because every filter is a per-row computation that is exact or an identity for neutral parameters,
+which other rows are present never changes a row's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.sample.rng import to_int64
+
+
+@dataclass(frozen=True)
+class PenaltyData:
+    """Penalty inputs for the rows in `rows` (indices into the batch), in that order."""
+
+    rows: torch.Tensor                    # int64 [P]
+    repetition: torch.Tensor              # float32 [P]
+    presence: torch.Tensor                # float32 [P]
+    frequency: torch.Tensor               # float32 [P]
+    seen: torch.Tensor | None             # bool [P, V]: in prompt or output (None: no repetition penalty)
+    output_counts: torch.Tensor | None    # float32 [P, V]: output occurrences (None: no presence/freq.)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row tensors for `Sampler`. Build with `from_sequences` (engine) or `from_params` (tests, tools)."""
+
+    num_rows: int
+    vocab_size: int
+    device: torch.device
+    greedy_rows: torch.Tensor             # int64 [G]: rows sampled by argmax (temperature 0)
+    sample_rows: torch.Tensor             # int64 [R]: rows sampled at random, in batch order
+    # The following are indexed like sample_rows (length R).
+    temperature: torch.Tensor             # float32 [R]
+    seeds: torch.Tensor                   # int64 [R] (seed mod 2**64 as a signed bit pattern)
+    positions: torch.Tensor               # int64 [R]: output position being sampled
+    top_k: torch.Tensor                   # int64 [R]: vocab_size when disabled
+    top_p: torch.Tensor                   # float64 [R]
+    min_p: torch.Tensor                   # float32 [R]
+    top_p_idx: torch.Tensor | None        # int64: positions within sample_rows that use top-p
+    top_k_only_idx: torch.Tensor | None   # int64: positions within sample_rows with top-k but no top-p
+    top_k_only_max: int                   # the largest k among top_k_only_idx rows (0 when none)
+    min_p_idx: torch.Tensor | None        # int64: positions within sample_rows that use min-p
+    penalties: PenaltyData | None
+    # min_tokens: (row, token) pairs to set to -inf this step (EOS and stop ids before min_tokens outputs).
+    blocked_rows: torch.Tensor | None     # int64 [B]
+    blocked_tokens: torch.Tensor | None   # int64 [B]
+    num_logprobs: list[int | None]        # per row: params.logprobs
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.sample_rows.numel() == 0
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return any(n is not None for n in self.num_logprobs)
+
+    @classmethod
+    def from_sequences(
+        cls, seqs: list[Sequence], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        """Metadata for sampling the next token of each sequence (row i = seqs[i]).
+
+        The draw position is `seq.num_output_tokens`; the seed is `seq.seed`. Token ids for penalties are
+        read only when some row uses a penalty; EOS ids (unless ignore_eos) and stop_token_ids are blocked
+        while a row has fewer than min_tokens outputs.
+        """
+        return cls.from_params(
+            [s.params for s in seqs],
+            seeds=[s.seed for s in seqs],
+            positions=[s.num_output_tokens for s in seqs],
+            vocab_size=vocab_size,
+            device=device,
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            eos_token_ids=[s.eos_token_ids for s in seqs],
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        seeds: SequenceABC[int],
+        positions: SequenceABC[int],
+        vocab_size: int,
+        device: torch.device | str,
+        prompt_token_ids: SequenceABC[SequenceABC[int]] | None = None,
+        output_token_ids: SequenceABC[SequenceABC[int]] | None = None,
+        eos_token_ids: SequenceABC[SequenceABC[int]] | None = None,
+    ) -> SamplingMetadata:
+        """Metadata from explicit per-row values. Token-id lists default to empty when not given."""
+        n = len(params)
+        if len(seeds) != n or len(positions) != n:
+            raise ValueError(
+                f"SamplingMetadata: got {n} params, {len(seeds)} seeds, {len(positions)} positions"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"SamplingMetadata: vocab_size={vocab_size} must be >= 1")
+        device = torch.device(device)
+        empty: list[list[int]] = [[] for _ in range(n)]
+        prompts = empty if prompt_token_ids is None else prompt_token_ids
+        outputs = empty if output_token_ids is None else output_token_ids
+        eos = empty if eos_token_ids is None else eos_token_ids
+
+        def idx(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
+        def sub_idx(values: list[int]) -> torch.Tensor | None:
+            return idx(values) if values else None
+
+        sample = [i for i, p in enumerate(params) if not p.greedy]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sp = [params[i] for i in sample]
+        top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in sp]
+        use_top_p = [j for j, p in enumerate(sp) if p.top_p < 1.0]
+        top_p_set = set(use_top_p)
+        top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]
+        return cls(
+            num_rows=n,
+            vocab_size=vocab_size,
+            device=device,
+            greedy_rows=idx(greedy),
+            sample_rows=idx(sample),
+            temperature=torch.tensor([float(p.temperature) for p in sp], dtype=torch.float32).to(device),
+            seeds=idx([to_int64(seeds[i]) for i in sample]),
+            positions=idx([int(positions[i]) for i in sample]),
+            top_k=idx(top_k),
+            top_p=torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64).to(device),
+            min_p=torch.tensor([float(p.min_p) for p in sp], dtype=torch.float32).to(device),
+            top_p_idx=sub_idx(use_top_p),
+            top_k_only_idx=sub_idx(top_k_only),
+            top_k_only_max=max((top_k[j] for j in top_k_only), default=0),
+            min_p_idx=sub_idx([j for j, p in enumerate(sp) if p.min_p > 0.0]),
+            penalties=_penalty_data(params, prompts, outputs, vocab_size, device),
+            **_blocked(params, eos, positions, vocab_size, device),
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _penalty_data(
+    params: list[SamplingParams],
+    prompts: SequenceABC[SequenceABC[int]],
+    outputs: SequenceABC[SequenceABC[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyData | None:
+    rows = [
+        i for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    ]
+    if not rows:
+        return None
+    pp = [params[i] for i in rows]
+
+    def flat(lists: list[SequenceABC[int]]) -> torch.Tensor:
+        # Flattened (row * V + token) indices; ids outside the vocab can never be sampled: dropped.
+        tokens = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(ids) for ids in lists]))
+        valid = (tokens >= 0) & (tokens < vocab_size)
+        return (rows[valid] * vocab_size + tokens[valid]).to(device)
+
+    size = len(rows) * vocab_size
+    counts = None
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in pp):
+        # Integer counting is exact in any order; the float32 copy is exact for counts below 2**24.
+        counts = torch.bincount(flat([outputs[i] for i in rows]), minlength=size)
+        counts = counts.view(len(rows), vocab_size).to(torch.float32)
+    seen = None
+    if any(p.repetition_penalty != 1.0 for p in pp):
+        seen = torch.zeros(size, dtype=torch.bool, device=device)
+        seen[flat([prompts[i] for i in rows])] = True
+        seen[flat([outputs[i] for i in rows])] = True
+        seen = seen.view(len(rows), vocab_size)
+
+    def f32(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(device)
+
+    return PenaltyData(
+        rows=torch.tensor(rows, dtype=torch.int64).to(device),
+        repetition=f32([float(p.repetition_penalty) for p in pp]),
+        presence=f32([float(p.presence_penalty) for p in pp]),
+        frequency=f32([float(p.frequency_penalty) for p in pp]),
+        seen=seen,
+        output_counts=counts,
+    )
+
+
+def _blocked(
+    params: list[SamplingParams],
+    eos: SequenceABC[SequenceABC[int]],
+    positions: SequenceABC[int],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens <= int(positions[i]):
+            continue
+        stop_ids = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids |= set(eos[i])
+        for t in sorted(stop_ids):
+            if 0 <= t < vocab_size:
+                rows.append(i)
+                tokens.append(t)
+    if not rows:
+        return {"blocked_rows": None, "blocked_tokens": None}
+    return {
+        "blocked_rows": torch.tensor(rows, dtype=torch.int64).to(device),
+        "blocked_tokens": torch.tensor(tokens, dtype=torch.int64).to(device),
+    }

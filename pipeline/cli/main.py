@@ -1,0 +1,153 @@
+"""`deepinfer-job`: validate, submit and inspect batch inference jobs.
+
+Exit codes (a contract, DESIGN.md): 0 done (errors within budget) · 2 invalid spec or usage · 3 error
+budget exceeded · 4 output path holds another job · 75 retryable failure (storage, engine, infrastructure:
+run the same command again) · 1 bug (a short message; the traceback with -v).
+
+Imports stay lazy: `validate` never imports torch or ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+from deepinfer.pipeline.errors import ExitCode
+
+EPILOG = """\
+examples:
+  deepinfer-job validate jobs/labeling.yaml
+  deepinfer-job validate jobs/s3_job.yaml --set output.path=s3://bucket/run-2/
+  deepinfer-job submit jobs/labeling.yaml --set output.path=/tmp/labels --summary-json /tmp/summary.json
+  deepinfer-job submit jobs/eval_sweep.yaml --address ray://head:10001 --set sampling.seed=7
+  deepinfer-job submit jobs/labeling.yaml --restart        # discard this job's committed output, start over
+  deepinfer-job status /tmp/labels --json
+  deepinfer-job status jobs/labeling.yaml
+
+exit codes: 0 done · 2 invalid spec/usage · 3 error budget exceeded · 4 output holds another job ·
+            75 retryable failure (run it again: it resumes) · 1 bug
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepinfer-job", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Run offline batch LLM inference jobs described by a YAML spec "
+                    "(schemas/job.schema.json).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{validate,submit,status}")
+    sub.required = True
+
+    def add_set(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec field, e.g. --set output.path=s3://b/out (value parsed as YAML; "
+                            "repeatable)")
+
+    p = sub.add_parser("validate", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="check a spec (no Ray, no model): exit 0 or 2 naming the bad field",
+                       epilog="example:\n  deepinfer-job validate jobs/labeling.yaml --set runtime.engines=2")
+    p.add_argument("spec", metavar="SPEC", help="job spec YAML file")
+    add_set(p)
+    p.add_argument("--print", dest="print_resolved", action="store_true",
+                   help="print the resolved spec (defaults filled, paths absolute) as JSON")
+
+    p = sub.add_parser("submit", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="run a job to completion (resumes committed work by default)",
+                       epilog="example:\n  deepinfer-job submit jobs/labeling.yaml "
+                              "--set output.path=/tmp/out "
+                              "--summary-json /tmp/summary.json")
+    p.add_argument("spec", metavar="SPEC", help="job spec YAML file")
+    add_set(p)
+    p.add_argument("--summary-json", metavar="PATH", help="also write the run summary as JSON to PATH")
+    p.add_argument("--address", metavar="RAY_ADDRESS",
+                   help="attach to this Ray cluster (default: $RAY_ADDRESS, else start a local Ray)")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the committed output of this output path and start from scratch")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show Ray's logs and progress bars, and tracebacks of unexpected errors")
+
+    p = sub.add_parser("status", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="show how far a job has got (from its output path or its spec)",
+                       epilog="examples:\n  deepinfer-job status /tmp/labels\n"
+                              "  deepinfer-job status jobs/labeling.yaml --json")
+    p.add_argument("target", metavar="OUTPUT|SPEC", help="an output path (local or s3://) or a job spec YAML")
+    add_set(p)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
+    return parser
+
+
+def _err(message: str) -> None:
+    print(f"deepinfer-job: {message}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import json
+
+    from deepinfer.pipeline.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    if args.print_resolved:
+        print(json.dumps(spec.document, indent=2, sort_keys=True))
+    else:
+        model = spec.model.name or spec.model.path
+        schema = "with output_schema" if spec.output_schema is not None else "free text"
+        print(f"{args.spec}: valid job spec (model {model}, {spec.input.format} input {spec.input.path}, "
+              f"{spec.output.format} output {spec.output.path}, {schema})")
+    return ExitCode.OK
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from deepinfer.pipeline.runner import SubmitOptions, run_job
+    from deepinfer.pipeline.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    options = SubmitOptions(address=args.address, restart=args.restart, verbose=args.verbose,
+                            summary_json=args.summary_json)
+    return run_job(spec, options)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from deepinfer.pipeline.cli.status_cmd import show_status
+
+    return show_status(args.target, args.overrides, as_json=args.json)
+
+
+def classify(exc: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception that ended a command."""
+    from deepinfer.pipeline.errors import classify_exception
+
+    return classify_exception(exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code (also when called in-process)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    handlers = {"validate": cmd_validate, "submit": cmd_submit, "status": cmd_status}
+    verbose = getattr(args, "verbose", False)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        _err("interrupted; committed parts are kept and the next submit resumes from them")
+        return ExitCode.RETRY
+    except Exception as exc:
+        code, message = classify(exc)
+        _err(message)
+        if code == ExitCode.BUG:
+            if verbose:
+                traceback.print_exception(exc, file=sys.stderr)
+            else:
+                _err("this is a bug in deepinfer; rerun with -v for the traceback and report it")
+        elif verbose:
+            traceback.print_exception(exc, file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Exactly-once, kill-safe output commits: :class:`OutputStore` (layout: see layout.py).
+
+The protocol. A part is committed exactly when its marker ``_commits/{part_id}.json`` exists; readers see
+parts only through markers. ``commit_part`` writes the part's data objects under their final,
+content-derived names (local: temp + fsync + rename; S3: one PUT each, never a rename), then creates the
+marker, listing the objects with row counts and sha256, by an atomic put-if-absent.
+
+* Killed before the marker: the part is not committed; its data objects are orphans, removed by the next
+  run's cleanup or rewritten by it under the same names with the same bytes.
+* Two runs committing one part: exactly one marker put succeeds; the loser returns False and deletes only
+  its own objects the winner's marker does not reference (none, when outputs are deterministic).
+* Names derive from content, so a deterministic job writes the same names and bytes on every run: a
+  resumed output is byte-identical to an uninterrupted one (``_SUCCESS`` holds the run summary and is the
+  only file that may differ).
+* Orphan cleanup never races a live writer (lease protocol, lease.py); ``write_success`` sweeps what is
+  left once every part is committed, so a finished output holds exactly what its markers reference.
+
+Test hook: ``DEEPINFER_TEST_KILL_AT="point:n[,point:n...]"`` SIGKILLs the process (its whole process group
+when it leads one) the n-th time it reaches ``point`` (:data:`KILL_POINTS`); a no-op unless set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from deepinfer.pipeline.errors import ERROR_SCHEMA, FingerprintMismatch, RetryableError
+from deepinfer.pipeline.output import storage
+from deepinfer.pipeline.output.encoding import EXTENSIONS, check_format, encode_table
+from deepinfer.pipeline.output.fingerprint import diff_fingerprints
+from deepinfer.pipeline.output.layout import (
+    COMMITS_DIR,
+    ERRORS_DIR,
+    JOB_FILE,
+    PARTS_DIR,
+    SUCCESS_FILE,
+    OutputReader,
+    dumps,
+)
+from deepinfer.pipeline.output.lease import Lease, read_leases
+from deepinfer.pipeline.parts import PartSpec
+
+KILL_ENV = "DEEPINFER_TEST_KILL_AT"
+KILL_POINTS = (
+    "before_part_data_written",
+    "after_part_data_written",  # data objects in place, marker not yet: leaves orphans
+    "after_part_committed",
+    "during_orphan_cleanup",  # after the first orphan was deleted
+    "during_restart",  # after the first object of the old output was deleted
+    "before_success",
+)
+JOB_RECORD_VERSION = 1
+__all__ = ["COMMITS_DIR", "KILL_ENV", "KILL_POINTS", "OutputStore", "ResumeState", "make_job_record"]
+
+
+def make_job_record(
+    spec: Mapping[str, Any], fingerprint: Mapping, parts: Sequence[PartSpec], fmt: str
+) -> dict:
+    """The ``_job.json`` content :meth:`OutputStore.begin` expects. ``spec`` must hold no secrets."""
+    check_format(fmt)
+    return {
+        "deepinfer_job": JOB_RECORD_VERSION,
+        "spec": dict(spec),
+        "fingerprint": dict(fingerprint),
+        "format": fmt,
+        "num_parts": len(parts),
+        "num_rows": sum(p.num_rows for p in parts),
+        "parts": [p.to_dict() for p in parts],
+    }
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What :meth:`OutputStore.begin` found.
+
+    ``committed``: part ids already committed (skip them). ``complete``: ``_SUCCESS`` exists, nothing to do
+    and nothing was written. ``resumed``: an earlier run of the same job existed. ``restarted``: an old
+    output was deleted (--restart). ``orphans_removed``: leftovers of killed runs deleted by this begin.
+    """
+
+    committed: frozenset[str]
+    complete: bool
+    resumed: bool
+    restarted: bool
+    orphans_removed: int
+
+
+class OutputStore(OutputReader):
+    """One job output (local path or s3://...); use it as a context manager so the run lease is released.
+
+    A run calls ``begin`` -> ``commit_part`` for each part not in ``ResumeState.committed`` ->
+    ``write_success`` (only when the job succeeded). Read-side methods come from OutputReader.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        lease_ttl_s: float = 120.0,
+        cleanup_wait_s: float = 600.0,
+    ) -> None:
+        fs, root = storage.open_fs(url, storage_options)
+        super().__init__(fs, root)
+        self.url = url
+        self._lease_ttl_s = lease_ttl_s
+        self._cleanup_wait_s = cleanup_wait_s
+        self._lease: Lease | None = None
+        self._job: dict | None = None
+        self._plan: dict[str, int] = {}
+        self._kill_at = _parse_kill_env(os.environ.get(KILL_ENV, ""))
+        self._hits: dict[str, int] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def begin(self, job_record: Mapping[str, Any], restart: bool = False) -> ResumeState:
+        """Open the output for this job (record from :func:`make_job_record`); clean up after killed runs.
+
+        Same fingerprint: resume (committed parts are kept; orphans of killed runs are removed). Finished
+        job (``_SUCCESS`` present): returns ``complete=True`` having written nothing. Another fingerprint:
+        raises :class:`~deepinfer.pipeline.errors.FingerprintMismatch` (exit 4) listing the differences,
+        unless ``restart``, which deletes the old output (markers first, so nothing stays half-committed;
+        safe to kill and repeat) and starts over. Storage failures raise RetryableStorageError (exit 75).
+        """
+        record = dict(job_record)
+        for key in ("fingerprint", "parts", "format"):
+            if key not in record:
+                raise ValueError(f"job record lacks {key!r}; build it with make_job_record()")
+        existing = self.read_job()
+        if existing is not None and not restart:
+            self._check_same_job(existing, record)
+            if self.is_complete():
+                self._adopt(existing)
+                return ResumeState(frozenset(self.committed_part_ids()), True, True, False, 0)
+        self._lease = Lease(self.fs, self.root, self._lease_ttl_s)
+        self._lease.acquire()
+        try:
+            restarted = False
+            if restart and (existing is not None or self.has_any_data()):
+                if self._lease.others():
+                    raise RetryableError(f"another run is live on {self.url}; cannot --restart it now")
+                for path in self.all_job_objects():
+                    if storage.remove(self.fs, path):
+                        self._maybe_kill("during_restart")
+                existing, restarted = None, True
+            if not storage.put_if_absent(self.fs, self.path(JOB_FILE), dumps(record)):
+                existing = self.read_job()  # a racing submit created it first
+                self._check_same_job(existing or {}, record)
+            self._adopt(existing if existing is not None else record)
+            removed = self._cleanup(sweep=False)
+            self._lease.wait_while_others_clean(self._cleanup_wait_s)
+        except BaseException:
+            with contextlib.suppress(Exception):  # keep the original failure, not a second one
+                self.close()
+            raise
+        committed = frozenset(self.committed_part_ids())
+        return ResumeState(committed, False, existing is not None and not restarted, restarted, removed)
+
+    def _check_same_job(self, existing: Mapping, record: Mapping) -> None:
+        diffs = diff_fingerprints(existing.get("fingerprint") or {}, record["fingerprint"])
+        if not diffs and existing.get("format") != record.get("format"):
+            diffs.append(f"output format: {existing.get('format')} -> {record.get('format')}")
+
+        def plan(rec: Mapping) -> list:
+            return [(p.get("part_id"), p.get("num_rows")) for p in rec.get("parts") or []]
+
+        if not diffs and plan(existing) != plan(record):
+            diffs.append("part plan differs (input row counts or rows_per_part changed)")
+        if diffs:
+            raise FingerprintMismatch(self.url, diffs)
+
+    def _adopt(self, record: Mapping) -> None:
+        self._job = dict(record)
+        self._plan = {p["part_id"]: int(p["num_rows"]) for p in record["parts"]}
+
+    @property
+    def job(self) -> dict | None:
+        """The job record in force (the existing ``_job.json`` when resuming), after ``begin``."""
+        return self._job
+
+    def close(self) -> None:
+        """Release this run's lease (idempotent). Committed parts stay committed."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def __enter__(self) -> OutputStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- committing --------------------------------------------------------------------------------
+    def commit_part(self, part_id: str, rows: pa.Table, errors: pa.Table | None, fmt: str) -> bool:
+        """Commit one part's result rows and error rows together, exactly once.
+
+        ``rows`` and ``errors`` (:data:`~deepinfer.pipeline.errors.ERROR_SCHEMA`) are in input order and
+        together account for every row of the part (ValueError otherwise). Returns True when this call
+        committed the part, False when it already was committed (by an earlier or a racing run) — then
+        nothing of the committed part is touched.
+        """
+        if self._job is None or self._lease is None:
+            raise RuntimeError("call OutputStore.begin() first (no commits once the job is complete)")
+        check_format(fmt)
+        if fmt != self._job["format"]:
+            raise ValueError(f"commit_part format {fmt!r} is not the job's format {self._job['format']!r}")
+        if part_id not in self._plan:
+            raise ValueError(f"part {part_id!r} is not in this job's part plan")
+        n_err = 0 if errors is None else errors.num_rows
+        if rows.num_rows + n_err != self._plan[part_id]:
+            raise ValueError(
+                f"part {part_id} has {self._plan[part_id]} input rows but got {rows.num_rows} result rows "
+                f"+ {n_err} error rows; every row must end in exactly one of them"
+            )
+        if errors is not None and n_err and not errors.schema.equals(ERROR_SCHEMA):
+            errors = errors.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA)
+        if storage.read_bytes(self.fs, self.marker_path(part_id)) is not None:
+            return False
+        self._maybe_kill("before_part_data_written")
+        written = []
+        for directory, table in [(PARTS_DIR, rows)] + ([(ERRORS_DIR, errors)] if n_err else []):
+            data = encode_table(table, fmt)
+            digest = storage.sha256_hex(data)
+            rel = f"{directory}/{part_id}-{digest[:16]}.{EXTENSIONS[fmt]}"
+            storage.write_atomic(self.fs, self.path(rel), data)
+            written.append({"kind": directory, "path": rel, "rows": table.num_rows, "bytes": len(data),
+                            "sha256": digest})
+        self._maybe_kill("after_part_data_written")
+        codes: dict[str, int] = {}
+        for code in errors.column("code").to_pylist() if n_err else []:
+            codes[code] = codes.get(code, 0) + 1
+        marker = {"part_id": part_id, "format": fmt, "rows": rows.num_rows, "error_rows": n_err,
+                  "error_codes": codes, "objects": written}
+        if not storage.put_if_absent(self.fs, self.marker_path(part_id), dumps(marker)):
+            winner = self.read_marker(part_id) or {}
+            keep = {o["path"] for o in winner.get("objects", [])}
+            for obj in written:
+                if obj["path"] not in keep:
+                    storage.remove(self.fs, self.path(obj["path"]))
+            return False
+        self._maybe_kill("after_part_committed")
+        return True
+
+    def write_success(self, summary: Mapping[str, Any]) -> None:
+        """Mark the job finished: every planned part must be committed. Sweeps leftovers, writes ``_SUCCESS``
+        (``{"parts", "rows", "error_rows", "summary"}``) and releases the lease.
+
+        Call only when the job succeeded (exit 0); with the error budget exceeded leave ``_SUCCESS`` out, so
+        that a rerun reaches the same verdict instead of a no-op.
+        """
+        if self._job is None or self._lease is None:
+            raise RuntimeError("call OutputStore.begin() first (and not on a job it found complete)")
+        missing = sorted(set(self._plan) - self.committed_part_ids())
+        if missing:
+            raise RuntimeError(f"write_success with {len(missing)} uncommitted part(s), e.g. {missing[:3]}")
+        self._cleanup(sweep=True)
+        markers = self.read_markers()
+        record = {
+            "parts": len(markers),
+            "rows": sum(int(m.get("rows", 0)) for m in markers.values()),
+            "error_rows": sum(int(m.get("error_rows", 0)) for m in markers.values()),
+            "summary": dict(summary),
+        }
+        self._maybe_kill("before_success")
+        storage.write_atomic(self.fs, self.path(SUCCESS_FILE), dumps(record))
+        self.close()
+
+    # ---- cleanup -----------------------------------------------------------------------------------
+    def cleanup_orphans(self) -> int:
+        """Remove data objects no marker references (left by killed runs); returns how many were removed.
+
+        Safe to kill at any point (each deletion is idempotent and never touches a committed object) and
+        safe while other runs are live (it then removes nothing; see lease.py). ``begin`` already runs it.
+        """
+        if self._lease is None:
+            raise RuntimeError("OutputStore.begin() must be called first")
+        removed = self._cleanup(sweep=False)
+        self._lease.wait_while_others_clean(self._cleanup_wait_s)
+        return removed
+
+    def _cleanup(self, sweep: bool) -> int:
+        """Delete orphans. With ``sweep`` every part is committed, so every name a live racer could still
+        write is referenced and no lease check is needed; otherwise the lease protocol decides."""
+        lease = None if sweep else self._lease
+        if lease is not None:
+            lease.set_cleaning(True)
+        try:
+            candidates = self.find_orphans()  # snapshot BEFORE looking at leases (lease.py explains why)
+            if lease is not None and lease.others():
+                return 0
+            removed = 0
+            for path in candidates:
+                if storage.remove(self.fs, path):
+                    removed += 1
+                    self._maybe_kill("during_orphan_cleanup")
+            return removed
+        finally:
+            if lease is not None:
+                lease.set_cleaning(False)
+
+    def live_runs(self) -> list[dict]:
+        """Lease records of the runs live on this output now (dead ones are removed on the way)."""
+        return read_leases(self.fs, self.root, self._lease_ttl_s)
+
+    # ---- test hook ---------------------------------------------------------------------------------
+    def _maybe_kill(self, point: str) -> None:
+        if not self._kill_at:
+            return
+        self._hits[point] = self._hits.get(point, 0) + 1
+        if self._kill_at.get(point) == self._hits[point]:
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse_kill_env(text: str) -> dict[str, int]:
+    """``"point:n,point:n"`` -> {point: n}; ValueError naming the bad entry."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        point, _, n = item.partition(":")
+        n = n or "1"
+        if point not in KILL_POINTS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{KILL_ENV}: bad entry {item!r}; expected point:n with point in {KILL_POINTS}")
+        out[point] = int(n)
+    return out

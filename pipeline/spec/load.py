@@ -1,0 +1,343 @@
+"""Job specs: YAML -> validated, defaults-filled, frozen `JobSpec`.
+
+`load_spec(path, overrides)` is what the CLI calls. Order of operations:
+1. the YAML file is parsed with yaml.safe_load;
+2. relative local paths in it (model.path, input.path, output.path) are made absolute against the spec
+   file's directory, so a spec works from any working directory;
+3. `--set a.b=value` overrides are applied (value parsed as YAML, intermediate mappings created); paths
+   given this way are relative to the current directory, like any command-line path;
+4. the document is validated against schemas/job.schema.json (defaults filled in), then the checks the
+   schema cannot express (output_schema is itself a valid JSON Schema, template syntax, column clashes).
+Every problem raises SpecError naming the field. Nothing here imports torch or ray.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from deepinfer.pipeline.spec.schema import SpecError, validate_document
+
+PATH_FIELDS = (("model", "path"), ("input", "path"), ("output", "path"))
+# Output columns the pipeline writes itself; output_schema properties and kept columns may not reuse them.
+RESERVED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "seed", "json")
+DEFAULT_ID_COLUMN = "id"
+
+
+SECRET_WORDS = ("secret", "password", "passwd", "credential", "credentials")
+SECRET_PARTS = ("access_key", "key_id", "api_key", "private_key")
+
+
+def looks_secret(key: str) -> bool:
+    """True for option names that hold credentials (secret, aws_access_key_id, session_token, ...).
+
+    Sampling names such as max_tokens or stop_token_ids are not secrets: "token" counts only as the
+    last word of the name.
+    """
+    k = key.lower()
+    words = re.split(r"[^a-z0-9]+", k)
+    return (k == "key" or words[-1] == "token" or any(w in SECRET_WORDS for w in words)
+            or any(p in k for p in SECRET_PARTS))
+
+
+def redact(value: Any) -> Any:
+    """A copy of `value` with secret-looking mapping keys' values replaced by '<redacted>'."""
+    if isinstance(value, dict):
+        return {k: "<redacted>" if looks_secret(str(k)) else redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
+
+
+def _secret_paths(value: Any, path: str) -> list[str]:
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for k, v in value.items():
+        sub = f"{path}.{k}"
+        out += [sub] if looks_secret(str(k)) else _secret_paths(v, sub)
+    return out
+
+
+def is_remote(path: str) -> bool:
+    """True for URLs with a scheme (s3://, gs://, memory://...), False for local paths."""
+    return "://" in path
+
+
+def _absolute(path: str, base: Path) -> str:
+    if is_remote(path):
+        return path
+    expanded = os.path.expanduser(path)
+    return str(Path(expanded) if os.path.isabs(expanded) else (base / expanded).resolve())
+
+
+def _resolve_paths(doc: dict, base: Path, only: set[tuple[str, str]] | None = None) -> None:
+    for section, key in PATH_FIELDS:
+        if only is not None and (section, key) not in only:
+            continue
+        sub = doc.get(section)
+        if isinstance(sub, dict) and isinstance(sub.get(key), str) and sub[key]:
+            sub[key] = _absolute(sub[key], base)
+
+
+def apply_override(doc: dict, assignment: str) -> tuple[str, ...]:
+    """Apply one `a.b.c=value` override in place (value parsed as YAML); returns the key path."""
+    if "=" not in assignment:
+        raise SpecError([f"--set {assignment!r}: expected KEY=VALUE, e.g. --set input.path=data/"])
+    key, _, raw = assignment.partition("=")
+    parts = tuple(p.strip() for p in key.split("."))
+    if not key.strip() or any(not p for p in parts):
+        raise SpecError([f"--set {assignment!r}: the key must be a dotted field path like output.path"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise SpecError([f"--set {key}: the value is not valid YAML ({exc.__class__.__name__})"]) from None
+    node: Any = doc
+    for i, name in enumerate(parts[:-1]):
+        child = node.get(name)
+        if child is None:
+            child = node[name] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise SpecError([f"--set {key}: {where} is a {type(child).__name__}, not a mapping"])
+        node = child
+    node[parts[-1]] = value
+    return parts
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """model: which checkpoint and the engine's construction arguments."""
+
+    name: str | None
+    path: str | None
+    dtype: str
+    device: str
+    max_model_len: int | None
+    deterministic: bool
+    enable_prefix_caching: bool
+    allow_pickle: bool
+
+    @property
+    def ref(self) -> str:
+        """What to hand `LLM(model=...)`: the local path, else the name."""
+        return self.path if self.path is not None else str(self.name)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    format: str
+    id_column: str | None
+    storage_options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    template: str
+    mode: str
+    system: str | None
+    chat_date: str
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    min_tokens: int
+    seed: int
+    stop: tuple[str, ...] | None
+    stop_token_ids: tuple[int, ...] | None
+    ignore_eos: bool
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+
+    def params_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments shared by every row (the row seed is added per row)."""
+        return {
+            "temperature": float(self.temperature), "top_p": float(self.top_p), "top_k": self.top_k,
+            "min_p": float(self.min_p), "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
+            "stop": list(self.stop) if self.stop else None,
+            "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "ignore_eos": self.ignore_eos, "repetition_penalty": float(self.repetition_penalty),
+            "presence_penalty": float(self.presence_penalty),
+            "frequency_penalty": float(self.frequency_penalty),
+        }
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str
+    format: str
+    keep_columns: tuple[str, ...]
+    storage_options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    executor: str
+    engines: int | None
+    batch_size: int
+    sort_window: int
+    rows_per_part: int
+    max_error_fraction: float
+    engine_cpus: float
+    max_batches_in_flight: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job. `document` is the resolved spec (absolute paths, defaults filled): what _job.json
+    records and what `deepinfer-job status SPEC` re-reads."""
+
+    name: str | None
+    model: ModelSpec
+    input: InputSpec
+    prompt: PromptSpec
+    sampling: SamplingSpec
+    output_schema: dict | None
+    output: OutputSpec
+    runtime: RuntimeSpec
+    document: dict
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for deepinfer.engine.LLM besides `model` (nulls left to the engine)."""
+        m, r = self.model, self.runtime
+        kwargs = {
+            "dtype": m.dtype, "device": m.device, "deterministic": m.deterministic,
+            "enable_prefix_caching": m.enable_prefix_caching, "allow_pickle": m.allow_pickle,
+            "max_num_seqs": r.max_num_seqs, "gpu_memory_utilization": r.gpu_memory_utilization,
+        }
+        if m.max_model_len is not None:
+            kwargs["max_model_len"] = m.max_model_len
+        if r.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = r.max_num_batched_tokens
+        return kwargs
+
+    @property
+    def id_column(self) -> str:
+        """The output's id column: input.id_column when given, else 'id'."""
+        return self.input.id_column or DEFAULT_ID_COLUMN
+
+    @classmethod
+    def from_document(cls, doc: Any) -> JobSpec:
+        """Validate a spec document (paths already resolved) and build the JobSpec."""
+        filled = validate_document(doc)
+        _semantic_checks(filled)
+        s, o, r = filled["sampling"], filled["output"], filled["runtime"]
+        return cls(
+            name=filled["name"],
+            model=ModelSpec(**filled["model"]),
+            input=InputSpec(**filled["input"]),
+            prompt=PromptSpec(**filled["prompt"]),
+            sampling=SamplingSpec(**{**s, "stop": tuple(s["stop"]) if s["stop"] else None,
+                                     "stop_token_ids": tuple(s["stop_token_ids"]) if s["stop_token_ids"]
+                                     else None}),
+            output_schema=filled["output_schema"],
+            output=OutputSpec(**{**o, "keep_columns": tuple(o["keep_columns"])}),
+            runtime=RuntimeSpec(**r),
+            document=filled,
+        )
+
+
+def _semantic_checks(doc: dict) -> None:
+    """What JSON Schema cannot say: one model source, a valid output_schema, template syntax, clashes."""
+    problems: list[str] = []
+    model = doc["model"]
+    if (model["name"] is None) == (model["path"] is None):
+        problems.append("model: give exactly one of model.name (e.g. 'demo') or model.path "
+                        "(a local directory)")
+    top_k = doc["sampling"]["top_k"]
+    if top_k == 0:
+        problems.append("sampling.top_k: 0 is not allowed (expected: -1 to disable, or an integer >= 1)")
+    if doc["prompt"]["mode"] == "raw" and doc["prompt"]["system"] is not None:
+        problems.append("prompt.system: only used in chat mode; remove it or set prompt.mode: chat")
+    problems += _template_problems(doc["prompt"])
+    for section in ("input", "output"):
+        for where in _secret_paths(doc[section]["storage_options"], f"{section}.storage_options"):
+            problems.append(f"{where}: credentials do not belong in a job spec (it is recorded in "
+                            "_job.json); "
+                            "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE in the environment")
+    try:
+        _dt.date.fromisoformat(doc["prompt"]["chat_date"])
+    except ValueError:
+        problems.append(f"prompt.chat_date: {doc['prompt']['chat_date']!r} is not a real date (YYYY-MM-DD)")
+    id_column = doc["input"]["id_column"] or DEFAULT_ID_COLUMN
+    taken = {*RESERVED_COLUMNS, id_column}
+    for col in doc["output"]["keep_columns"]:
+        if col in RESERVED_COLUMNS:
+            problems.append(f"output.keep_columns: {col!r} clashes with an output column the pipeline writes "
+                            f"({', '.join(RESERVED_COLUMNS)})")
+    schema = doc["output_schema"]
+    if schema is not None:
+        from deepinfer.pipeline.spec.output_columns import schema_problems
+
+        problems += schema_problems(schema, taken | set(doc["output"]["keep_columns"]))
+    if not is_remote(doc["input"]["path"]) and not is_remote(doc["output"]["path"]):
+        if os.path.normpath(doc["input"]["path"]) == os.path.normpath(doc["output"]["path"]):
+            problems.append("output.path: must differ from input.path")
+    if problems:
+        raise SpecError(problems)
+
+
+def _template_problems(prompt: dict) -> list[str]:
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment()
+    problems = []
+    for key in ("template", "system"):
+        source = prompt.get(key)
+        if source is None:
+            continue
+        try:
+            env.parse(source)
+        except TemplateSyntaxError as exc:
+            problems.append(f"prompt.{key}: template syntax error on line {exc.lineno}: {exc.message}")
+    return problems
+
+
+def load_document(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Read a YAML spec, resolve its relative paths, apply `--set` overrides (not yet validated)."""
+    spec_path = Path(path)
+    try:
+        text = spec_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([f"{path}: no such spec file"]) from None
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read the spec file ({exc.strerror or exc})"]) from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError([f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise SpecError([f"{path}: the spec must be a YAML mapping of sections, got {type(doc).__name__}"])
+    doc = copy.deepcopy(doc)
+    _resolve_paths(doc, spec_path.resolve().parent)
+    for assignment in overrides:
+        keys = apply_override(doc, assignment)
+        if len(keys) == 2 and keys in PATH_FIELDS:
+            _resolve_paths(doc, Path.cwd(), only={keys})
+    return doc
+
+
+def load_spec(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Load, override and validate a job spec file; raises SpecError naming every bad field."""
+    return JobSpec.from_document(load_document(path, overrides))

@@ -1,0 +1,98 @@
+"""Validation of a job-spec document against schemas/job.schema.json, with defaults filled in.
+
+The JSON Schema is the single source of truth: this module only loads it, fills in `default`s while
+validating, and turns jsonschema's errors into one line per problem that names the field path
+(`sampling.temperature: -1 is less than the minimum of 0 (expected: Softmax temperature; ...)`).
+Kept free of torch/ray imports: `deepinfer-job validate` must stay fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from deepinfer.pipeline.errors import SpecError
+
+
+@cache
+def load_schema(name: str = "job.schema.json") -> dict:
+    """One of the JSON Schemas shipped in deepinfer.schemas (parsed once per process; callers copy)."""
+    text = resources.files("deepinfer.schemas").joinpath(name).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _validator_with_defaults():
+    from jsonschema import Draft202012Validator, validators
+
+    validate_properties = Draft202012Validator.VALIDATORS["properties"]
+
+    def properties_with_defaults(validator, properties, instance, schema):
+        # Insert defaults before descending, so a defaulted object (e.g. runtime: {}) gets its own defaults.
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if isinstance(sub, dict) and "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return validators.extend(Draft202012Validator, {"properties": properties_with_defaults})
+
+
+def _field(path: list[Any]) -> str:
+    return ".".join(str(p) for p in path) if path else "(top level)"
+
+
+def _subschema(schema: dict, path: list[str]) -> dict | None:
+    node: Any = schema
+    for key in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get("properties", {}).get(key)
+    return node if isinstance(node, dict) else None
+
+
+def _format_error(error, schema: dict) -> list[str]:
+    path = list(error.absolute_path)
+    if error.validator == "required":
+        missing = [name for name in error.validator_value if name not in error.instance]
+        lines = []
+        for name in missing:
+            sub = _subschema(schema, [*map(str, path), name]) or {}
+            hint = f" (expected: {sub['description']})" if sub.get("description") else ""
+            lines.append(f"{_field([*path, name])}: required field is missing{hint}")
+        return lines
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(k for k in error.instance if k not in error.schema.get("properties", {}))
+        return [f"{_field([*path, k])}: unknown field (allowed here: {', '.join(allowed)})" for k in unknown]
+    hint = ""
+    description = error.schema.get("description") if isinstance(error.schema, dict) else None
+    if description is None and path:
+        sub = _subschema(schema, [str(p) for p in path])
+        description = (sub or {}).get("description")
+    if description:
+        hint = f" (expected: {description})"
+    return [f"{_field(path)}: {error.message}{hint}"]
+
+
+def validate_document(doc: Any) -> dict:
+    """Validate a job-spec document and return a copy with every default filled in.
+
+    Raises SpecError listing every problem, each naming its field path.
+    """
+    schema = load_schema()
+    if not isinstance(doc, dict):
+        raise SpecError([f"(top level): the spec must be a mapping of sections, got {type(doc).__name__}"])
+    filled = copy.deepcopy(doc)
+    validator = _validator_with_defaults()(schema)
+    problems: list[str] = []
+    errors = sorted(validator.iter_errors(filled), key=lambda e: [str(p) for p in e.absolute_path])
+    for error in errors:
+        for line in _format_error(error, schema):
+            if line not in problems:
+                problems.append(line)
+    if problems:
+        raise SpecError(problems)
+    return filled

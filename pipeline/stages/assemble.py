@@ -1,0 +1,139 @@
+"""Turning one part's engine results into its output rows and its quarantined errors.
+
+Column types come from the spec (and, for kept Parquet columns, from the input files' schemas), never from
+whichever values happen to be in the part, and rows are ordered by their input position: the same rows
+always give the same tables, hence the same file bytes.
+
+Output row columns, in order: the id column, text, finish_reason, prompt_tokens, output_tokens, seed, the
+kept input columns, then with an output_schema `json` (canonical JSON text) and one typed column per
+top-level property. Error rows (errors.ERROR_SCHEMA): id, stage, code, message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+from deepinfer.pipeline.errors import ERROR_SCHEMA, MAX_MESSAGE_CHARS
+from deepinfer.pipeline.spec.output_columns import arrow_type, column_kinds, column_value
+from deepinfer.pipeline.stages import columns as C
+
+
+def _typed_array(values: list[Any], type_: pa.DataType | None) -> pa.Array:
+    """Values as an array of `type_` when given (falling back to inference when they do not fit)."""
+    if type_ is None:
+        return pa.array(values)
+    try:
+        return pa.array(values, type=type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        try:  # ISO datetimes / decimal strings carried as JSON text
+            return pa.array(values).cast(type_)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            return pa.array(values)
+
+
+class PartAssembler:
+    """Builds (rows, errors) tables for a part from its ENGINE_SCHEMA rows."""
+
+    def __init__(self, id_column: str, derived_id: bool, keep_columns: tuple[str, ...],
+                 output_schema: dict | None, keep_types: dict[str, pa.DataType] | None = None) -> None:
+        self.id_column, self.keep = id_column, keep_columns
+        self.keep_types = dict(keep_types or {})
+        if derived_id:
+            self.keep_types[id_column] = pa.string()
+        self.schema_kinds = column_kinds(output_schema) if output_schema is not None else None
+
+    def build(self, results: pa.Table) -> tuple[pa.Table, pa.Table]:
+        """Order by input position, then split into output rows and errors."""
+        results = results.sort_by([("__file", "ascending"), ("__row", "ascending")])
+        rows = results.to_pylist()
+        ok = [r for r in rows if r["__err_stage"] is None]
+        bad = [r for r in rows if r["__err_stage"] is not None]
+        return self._rows_table(ok), self._errors_table(bad)
+
+    def _errors_table(self, bad: list[dict]) -> pa.Table:
+        return C.table({
+            "id": [r["__row_id"] for r in bad], "stage": [r["__err_stage"] for r in bad],
+            "code": [r["__err_code"] for r in bad],
+            "message": [(r["__err_msg"] or "")[:MAX_MESSAGE_CHARS] for r in bad],
+        }, ERROR_SCHEMA)
+
+    def _rows_table(self, ok: list[dict]) -> pa.Table:
+        kept = [C.loads(r["__keep"]) for r in ok]
+        names: list[str] = [self.id_column]
+        arrays: list[pa.Array] = [_typed_array([k.get(self.id_column) for k in kept],
+                                               self.keep_types.get(self.id_column))]
+        fixed = [("text", "__text", pa.string()), ("finish_reason", "__finish", pa.string()),
+                 ("prompt_tokens", "__plen", pa.int64()), ("output_tokens", "__ntok", pa.int64()),
+                 ("seed", "__seed", pa.int64())]
+        for name, src, type_ in fixed:
+            names.append(name)
+            arrays.append(pa.array([r[src] for r in ok], type=type_))
+        for col in self.keep:
+            if col == self.id_column:
+                continue
+            names.append(col)
+            arrays.append(_typed_array([k.get(col) for k in kept], self.keep_types.get(col)))
+        if self.schema_kinds is not None:
+            names.append("json")
+            arrays.append(pa.array([r["__json"] for r in ok], type=pa.string()))
+            parsed = [json.loads(r["__json"]) for r in ok]
+            for prop, kind in self.schema_kinds:
+                names.append(prop)
+                values = [column_value(kind, p.get(prop)) if isinstance(p, dict) else None for p in parsed]
+                arrays.append(pa.array(values, type=arrow_type(kind)))
+        return pa.Table.from_arrays(arrays, names=names)
+
+
+def keep_types_from_parquet(urls: list[str], columns: list[str], storage_options: dict | None
+                            ) -> dict[str, pa.DataType]:
+    """Unified Arrow types of `columns` across the input Parquet files' schemas (footers only)."""
+    from deepinfer.pipeline.stages.read import parquet_schema
+
+    if not columns:
+        return {}
+    schemas = [parquet_schema(u, storage_options) for u in urls]
+    types: dict[str, pa.DataType] = {}
+    for col in columns:
+        fields = [s.field(col) for s in schemas if col in s.names]
+        if not fields:
+            continue
+        try:
+            unified = pa.unify_schemas([pa.schema([f]) for f in fields], promote_options="permissive")
+            types[col] = unified.field(col).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            types[col] = pa.string()
+    return types
+
+
+def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: dict | None,
+                          sample_rows: int = 1000) -> dict[str, pa.DataType]:
+    """Arrow types for kept JSONL columns, inferred once from the input's first `sample_rows` rows.
+
+    JSON has no schema, so the job fixes one from a sample that depends only on the input: every part
+    (also an empty one, also on resume) then gets the same column types. Columns that are null throughout
+    the sample are strings; values that do not fit the type fall back to inference for their part.
+    """
+    from deepinfer.pipeline.stages.read import read_rows
+
+    if not columns:
+        return {}
+    values: dict[str, list] = {c: [] for c in columns}
+    seen = 0
+    for f in listing:
+        take = min(f.num_rows, sample_rows - seen)
+        if take <= 0:
+            break
+        for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0)):
+            for c in columns:
+                values[c].append(row.get(c) if row is not None else None)
+        seen += take
+    types = {}
+    for c, vals in values.items():
+        try:
+            type_ = pa.array(vals).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            type_ = pa.string()
+        types[c] = pa.string() if pa.types.is_null(type_) else type_
+    return types

@@ -1,0 +1,74 @@
+"""GPU: bitwise-identical tokens and logprobs across batch sizes, chunked prefill and prefix hits (bf16)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "eos_token_id": 1,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from deepinfer.engine.models.demo import write_tokenizer_files
+
+    d = tmp_path_factory.mktemp("llama8b")
+    (d / "config.json").write_text(json.dumps(LLAMA_8B))
+    write_tokenizer_files(d)
+    return d
+
+
+def _llm(model_dir, **kw):
+    from deepinfer.engine import LLM
+
+    gc.collect()
+    torch.cuda.empty_cache()  # the previous engine's weights and cache must be gone before sizing this one
+    return LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy", seed=0,
+               max_model_len=2048, gpu_memory_utilization=0.5, **kw)
+
+
+def _requests(n: int):
+    from deepinfer.engine import SamplingParams
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 120000) for _ in range(96)]
+    body = lambda: [rng.randrange(1000, 120000) for _ in range(rng.randint(5, 300))]  # noqa: E731
+    prompts = [(prefix if i % 4 == 0 else []) + body() for i in range(n)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=i, max_tokens=24, ignore_eos=True,
+                             logprobs=1) for i in range(n)]
+    return prompts, params
+
+
+def _run(llm, prompts, params, idx):
+    outs = llm.generate([prompts[i] for i in idx], [params[i] for i in idx], use_tqdm=False)
+    return {i: (o.token_ids, o.logprobs) for i, o in zip(idx, outs)}
+
+
+def test_bitwise_identity_across_batch_sizes_chunking_and_prefix_hits(model_dir):
+    prompts, params = _requests(256)
+    llm = _llm(model_dir, max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False)
+    ref = _run(llm, prompts, params, list(range(256)))
+    for size in (64, 7, 1):
+        idx = list(range(3, 3 + size))
+        assert _run(llm, prompts, params, idx) == {i: ref[i] for i in idx}, f"batch size {size} differs"
+    del llm
+    chunked = _llm(model_dir, max_num_seqs=64, max_num_batched_tokens=160, enable_prefix_caching=True)
+    idx = list(range(0, 256, 9))
+    first = _run(chunked, prompts, params, idx)
+    again = _run(chunked, prompts, params, idx)  # prefix-cache hits on every shared block
+    assert first == {i: ref[i] for i in idx}, "chunked prefill differs"
+    assert again == first, "prefix-cache hits differ"

@@ -1,0 +1,134 @@
+"""apply_token_bitmask_: the torch version against a naive loop, the Triton kernel against torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from deepinfer.kernels.masking import apply_token_bitmask_
+from deepinfer.kernels.reference.token_mask import apply_token_bitmask_torch_, unpack_bitmask
+
+SHAPES = [(1, 1), (3, 31), (2, 32), (4, 33), (5, 100), (3, 1030)]
+
+
+def _random_case(s: int, v: int, seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    words = (v + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (s, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(s, v, generator=gen).to(dtype)
+    return logits, bitmask
+
+
+def _naive(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    out = logits.clone()
+    for r in range(logits.shape[0]) if rows is None else rows:
+        for v in range(logits.shape[1]):
+            word = int(bitmask[r, v // 32]) & 0xFFFFFFFF
+            if not (word >> (v % 32)) & 1:
+                out[r, v] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("s,v", SHAPES)
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_torch_version_matches_naive_loop(s, v, with_rows):
+    logits, bitmask = _random_case(s, v, seed=s * 1000 + v)
+    rows = [s - 1, 0] if with_rows else None
+    expected = _naive(logits, bitmask, rows)
+    got = logits.clone()
+    apply_token_bitmask_torch_(got, bitmask, None if rows is None else torch.tensor(rows))
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_version_keeps_dtype_and_allowed_values(dtype):
+    logits, bitmask = _random_case(3, 70, seed=1, dtype=dtype)
+    got = logits.clone()
+    apply_token_bitmask_(got, bitmask)
+    allowed = unpack_bitmask(bitmask, 70)
+    assert got.dtype == dtype
+    assert torch.equal(got[allowed], logits[allowed])
+    assert torch.isneginf(got[~allowed]).all()
+
+
+def test_rows_outside_row_indices_are_untouched():
+    logits, bitmask = _random_case(4, 64, seed=2)
+    bitmask[:] = 0  # everything disallowed
+    got = logits.clone()
+    apply_token_bitmask_(got, bitmask, torch.tensor([1, 3]))
+    assert torch.equal(got[[0, 2]], logits[[0, 2]])
+    assert torch.isneginf(got[[1, 3]]).all()
+
+
+def test_all_ones_row_masks_nothing_and_bits_past_vocab_are_ignored():
+    logits, _ = _random_case(2, 40, seed=3)
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)
+    bitmask[1, 1] = 0xFF  # tokens 32..39 allowed, bits 40..63 (past V) clear
+    got = logits.clone()
+    apply_token_bitmask_(got, bitmask)
+    assert torch.equal(got, logits)
+
+
+@pytest.mark.parametrize(
+    "logits,bitmask,rows,message",
+    [
+        (torch.zeros(2, 64), torch.zeros(2, 3, dtype=torch.int32), None, "bitmask: shape"),
+        (torch.zeros(2, 64), torch.zeros(1, 2, dtype=torch.int32), None, "bitmask: shape"),
+        (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64), None, "bitmask: dtype"),
+        (torch.zeros(2, 64, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32), None, "logits: dtype"),
+        (torch.zeros(64), torch.zeros(2, dtype=torch.int32), None, "logits: expected 2 dimensions"),
+        (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), torch.tensor([2]), "row_indices"),
+        (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int32), torch.tensor([0.0]), "row_indices: dtype"),
+    ],
+)
+def test_wrapper_rejects_bad_arguments(logits, bitmask, rows, message):
+    with pytest.raises(ValueError, match=message):
+        apply_token_bitmask_(logits, bitmask, rows)
+
+
+_INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from deepinfer.kernels.token_mask import apply_token_bitmask_triton_
+    gen = torch.Generator().manual_seed(0)
+    for s, v in [(1, 1), (3, 33), (4, 1030), (2, 2049)]:
+        words = (v + 31) // 32
+        bm = torch.randint(-2**31, 2**31, (s, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        logits = torch.randn(s, v, generator=gen)
+        for rows in (None, torch.tensor([s - 1, 0]), torch.tensor([], dtype=torch.int64)):
+            a, b = logits.clone(), logits.clone()
+            apply_token_bitmask_torch_(a, bm, rows)
+            apply_token_bitmask_triton_(b, bm, rows)
+            assert torch.equal(a, b), (s, v, rows)
+    print("OK")
+    """
+)
+
+
+def test_triton_kernel_matches_torch_under_interpreter():
+    # TRITON_INTERPRET is read when a kernel is decorated, so the check runs in a fresh interpreter.
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("OK")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s,v", [(1, 32000), (64, 128256), (7, 151936)])
+def test_triton_kernel_matches_torch_on_cuda(s, v, dtype):
+    logits, bitmask = _random_case(s, v, seed=v, dtype=dtype)
+    rows = torch.arange(0, s, 2)
+    for r in (None, rows):
+        expected = logits.clone()
+        apply_token_bitmask_torch_(expected, bitmask, r)
+        got = logits.cuda()
+        from deepinfer.kernels.token_mask import apply_token_bitmask_triton_
+
+        apply_token_bitmask_triton_(got, bitmask.cuda(), None if r is None else r.cuda())
+        assert torch.equal(got.cpu(), expected)

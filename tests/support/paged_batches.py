@@ -1,0 +1,76 @@
+"""Builders of paged-attention batches for the kernel tests and benchmarks (no Triton needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from deepinfer.kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's part of a step: its KV blocks, its context length after the step, its new tokens
+    (the last `query_len` positions of that context)."""
+
+    blocks: Sequence[int]
+    context_len: int
+    query_len: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.query_len <= self.context_len:
+            raise ValueError(
+                f"SeqStep: query_len={self.query_len} must be in [0, context_len={self.context_len}]"
+            )
+
+
+def random_block_lists(context_lens: Sequence[int], block_size: int, seed: int = 0,
+                       spare_blocks: int = 3) -> tuple[list[list[int]], int]:
+    """Disjoint, shuffled KV block ids for sequences of the given lengths; returns (lists, num_blocks).
+
+    Block 0 is never handed out (block tables are padded with 0), and `spare_blocks` extra blocks stay
+    unused, so a kernel reading the wrong block reads garbage the tests can see.
+    """
+    need = [-(-n // block_size) for n in context_lens]
+    num_blocks = 1 + sum(need) + spare_blocks
+    gen = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    lists, start = [], 0
+    for n in need:
+        lists.append(ids[start:start + n])
+        start += n
+    return lists, num_blocks
+
+
+def build_metadata(steps: Sequence[SeqStep], block_size: int, device: torch.device | str = "cpu"
+                   ) -> AttentionMetadata:
+    """AttentionMetadata for one step made of `steps` (sequence-major order, as the model runner builds)."""
+    max_blocks = max(1, max(len(s.blocks) for s in steps))
+    tables = torch.zeros((len(steps), max_blocks), dtype=torch.int32)
+    slots, positions, qsl = [], [], [0]
+    for b, s in enumerate(steps):
+        if len(s.blocks) * block_size < s.context_len:
+            raise ValueError(f"step {b}: {len(s.blocks)} blocks cannot hold {s.context_len} positions")
+        tables[b, :len(s.blocks)] = torch.tensor(list(s.blocks), dtype=torch.int32)
+        for p in range(s.context_len - s.query_len, s.context_len):
+            positions.append(p)
+            slots.append(s.blocks[p // block_size] * block_size + p % block_size)
+        qsl.append(qsl[-1] + s.query_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([s.context_len for s in steps], dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        block_size=block_size,
+        max_query_len=max(s.query_len for s in steps),
+        max_seq_len=max(s.context_len for s in steps),
+        query_lens_cpu=[s.query_len for s in steps],
+        seq_lens_cpu=[s.context_len for s in steps],
+    )
+
+
+def gather_rows(per_seq: Sequence[torch.Tensor], steps: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """Concatenate per_seq[b][start:end] for each (b, start, end): the step's query rows in order."""
+    return torch.cat([per_seq[b][start:end] for b, start, end in steps], dim=0)

@@ -1,0 +1,81 @@
+"""A test driver for deepinfer models: paged KV cache, block tables and flattened varlen batches."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import torch
+from deepinfer.engine.models.config import ModelConfig
+from deepinfer.kernels.metadata import AttentionMetadata
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+
+
+class PagedBatchRunner:
+    """Drives a deepinfer model the way the engine does: block tables, slot mapping, flattened batches."""
+
+    def __init__(self, model, cfg: ModelConfig, num_blocks: int = NUM_BLOCKS) -> None:
+        self.model, self.cfg = model, cfg
+        param = next(model.parameters())
+        self.device = param.device
+        shape = (num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        # NaN-filled: attention must never let an unwritten or masked slot reach a result.
+        self.kv = [tuple(torch.full(shape, float("nan"), dtype=param.dtype, device=self.device)
+                         for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+        # Hand blocks out in a scrambled order so that block tables are not the identity.
+        self.free = random.Random(0).sample(range(num_blocks), num_blocks)
+        self.seqs: dict[str, _Seq] = {}
+
+    def add(self, key: str, tokens: list[int]) -> None:
+        self.seqs[key] = _Seq(list(tokens))
+
+    def append(self, key: str, token: int) -> None:
+        self.seqs[key].tokens.append(token)
+
+    def step(self, work: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+        """Compute the next `n` uncomputed tokens of each (key, n); return each sequence's logits [n, V]."""
+        ids, pos, slots, qlens, slens, tables = [], [], [], [], [], []
+        for key, n in work:
+            s = self.seqs[key]
+            start, end = s.computed, s.computed + n
+            assert end <= len(s.tokens)
+            while len(s.blocks) * BLOCK_SIZE < end:
+                s.blocks.append(self.free.pop())
+            ids += s.tokens[start:end]
+            pos += list(range(start, end))
+            slots += [s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+            qlens.append(n)
+            slens.append(end)
+            tables.append(list(s.blocks))
+            s.computed = end
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64), positions=positions, query_start_loc=qsl,
+            seq_lens=torch.tensor(slens, dtype=torch.int32), block_tables=table, block_size=BLOCK_SIZE,
+            max_query_len=max(qlens), max_seq_len=max(slens), query_lens_cpu=qlens, seq_lens_cpu=slens,
+        )
+        meta = _to_device(meta, self.device)
+        with torch.inference_mode():
+            ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            hidden = self.model(ids_t, meta.positions, meta, self.kv)
+            logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        return dict(zip([k for k, _ in work], logits.split(qlens)))
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
+    return AttentionMetadata(**fields)
