@@ -76,7 +76,7 @@ def write_random_checkpoint(shape: str, root: Path) -> Path:
 def write_rows(path: Path, n: int, min_words: int, max_words: int, seed: int) -> None:
     from importlib import resources
 
-    words = resources.files("deepinfer.engine").joinpath("data/demo_corpus.txt").read_text().split()
+    words = resources.files("deepinfer.engine.models").joinpath("data/demo_corpus.txt").read_text().split()
     rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(n):

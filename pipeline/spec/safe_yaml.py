@@ -188,6 +188,8 @@ def _check_characters(text: str, source: str) -> str:
         where = f"line {line}, column {col}"
         char = ord(bad.group())
         what = "a NUL byte" if char == 0 else f"character U+{char:04X}"
+        if char == 0xFEFF:
+            what = "a byte-order mark (U+FEFF) after the start of the text"
         if 0xD800 <= char <= 0xDFFF:
             what = f"an unpaired surrogate U+{char:04X} (not valid Unicode)"
         raise SpecSyntaxError(f"{source}: {where}: {what} is not allowed in YAML", where)
@@ -235,13 +237,16 @@ _OPEN = _Anchor(None, 0, 0, 0)  # placeholder while an anchored collection is st
 class _Frame:
     """One collection being built: a list, or a dict plus the key waiting for its value."""
 
-    __slots__ = ("value", "is_map", "path", "size", "height", "anchor", "key", "has_key", "merging",
+    __slots__ = ("value", "is_map", "parent", "slot", "size", "height", "anchor", "key", "has_key", "merging",
                  "key_lines", "merges", "line")
 
-    def __init__(self, is_map: bool, path: tuple[str | int, ...], anchor: str | None, line: int) -> None:
+    def __init__(self, is_map: bool, parent: _Frame | None, anchor: str | None, line: int) -> None:
         self.is_map = is_map
         self.value: Any = {} if is_map else []
-        self.path = path
+        # Where this collection sits in its parent, kept instead of a full key path: building a path
+        # tuple per collection would cost O(depth) each; paths are only needed for error messages.
+        self.parent = parent
+        self.slot: str | int = "" if parent is None else parent.key if parent.is_map else len(parent.value)
         self.size = 1  # nodes in this subtree, aliases counted at full expanded size
         self.height = 1  # collections on the longest downward path, this one included
         self.anchor = anchor
@@ -251,6 +256,16 @@ class _Frame:
         self.key_lines: dict[str, int] = {}
         self.merges: list[tuple[object, Any]] = []  # (value, mark) of each `<<: ...`
         self.line = line
+
+    @property
+    def path(self) -> tuple[str | int, ...]:
+        """Key path of this collection from the document root (walked upwards, never recursively)."""
+        parts: list[str | int] = []
+        frame: _Frame | None = self
+        while frame is not None and frame.parent is not None:
+            parts.append(frame.slot)
+            frame = frame.parent
+        return tuple(reversed(parts))
 
 
 def _copy_tree(value: object) -> object:
@@ -358,8 +373,8 @@ class _Builder:
         if self.awaiting_key():
             raise self.fail_at(mark, "a mapping key must be a plain string, not a "
                                      f"{'mapping' if is_map else 'list'} (complex keys are not allowed)")
-        path = self.child_path()
-        self.check_tag(event, path)
+        if event.tag is not None:
+            self.check_tag(event, self.child_path())
         if not self.stack:
             if self.top == "mapping" and not is_map:
                 raise self.fail_at(mark, "the top level of a spec must be a mapping of sections "
@@ -370,13 +385,13 @@ class _Builder:
                                          "or use flow style ({a: 1} or [1, 2])")
         depth = len(self.stack) + 1
         if depth > self.max_depth:
-            raise self.fail_value(mark, path, f"nesting too deep: more than {self.max_depth} levels "
-                                              f"(reached depth {depth})")
+            raise self.fail_value(mark, self.child_path(), f"nesting too deep: more than {self.max_depth} "
+                                  f"levels (reached depth {depth})")
         self.count(1, mark)
         anchor = event.anchor
         if anchor is not None:
             self.define_anchor(anchor, _OPEN, mark)
-        self.stack.append(_Frame(is_map, path, anchor, mark.line + 1))
+        self.stack.append(_Frame(is_map, self.stack[-1] if self.stack else None, anchor, mark.line + 1))
 
     def end_collection(self, event: Any) -> None:
         frame = self.stack.pop()
@@ -416,7 +431,7 @@ class _Builder:
             if parent.merging:
                 parent.merging = False
                 if not (isinstance(value, dict)
-                        or (isinstance(value, list) and value and all(isinstance(v, dict) for v in value))):
+                        or (isinstance(value, list) and all(isinstance(v, dict) for v in value))):
                     raise self.fail_value(mark, (*parent.path, "<<"),
                                           "a merge key (<<) needs a mapping or a list of mappings")
                 parent.merges.append((value, mark))
@@ -430,8 +445,7 @@ class _Builder:
             raise self.fail_at(mark, f"duplicate key {short(key)} in "
                                      f"{_path_text(parent.path) or 'the top level'} (first on line {first})")
         parent.key_lines[key] = mark.line + 1
-        # Keys add no node of their own to the size/height bookkeeping beyond the count() already done.
-        parent.size += 1
+        parent.size += 1  # a key is a node too: an alias of this mapping copies it
         parent.key, parent.has_key, parent.merging = key, True, merge
 
     # -- scalars and aliases -----------------------------------------------------------------------------
@@ -475,7 +489,8 @@ class _Builder:
                                   f"{word} is not allowed (found {text}); numbers must be finite")
         value = text if tag == _STR else self.convert(text, tag, event.start_mark)
         if event.anchor is not None:
-            self.define_anchor(event.anchor, _Anchor(value, 1, 0, event.start_mark.line + 1), event.start_mark)
+            mark = event.start_mark
+            self.define_anchor(event.anchor, _Anchor(value, 1, 0, mark.line + 1), mark)
         if parent is None or parent.merging:
             self.add(value, 1, 0, event.start_mark)
         elif parent.is_map:
@@ -614,7 +629,7 @@ def load_spec_text(data: bytes | str, source: str = "<spec>", *, max_bytes: int 
     if value is None:  # no document, only comments, or a bare `---` / `~`
         raise SpecSyntaxError(f"{source} is empty: a spec is a YAML mapping of sections (name:, model:, ...)")
     if not isinstance(value, dict):
-        kind = "null" if value is None else type(value).__name__
+        kind = {bool: "boolean", int: "number", float: "number", str: "string"}.get(type(value), "scalar")
         raise SpecSyntaxError(f"{source}: the top level of a spec must be a mapping of sections "
                               f"(key: value), not a {kind} ({short(value)})", "line 1, column 1")
     return value

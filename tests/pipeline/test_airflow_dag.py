@@ -48,6 +48,10 @@ CASES: dict[str, dict[str, Any]] = {
     "exit75_transient": dict(codes=[75], state="failed", outcomes=["up_for_retry"] * RETRIES + ["failed"]),
     # The usual transient failure: the rerun of the same command resumes and finishes.
     "exit75_then_done": dict(codes=[75, 0], state="success", outcomes=["up_for_retry", "success"]),
+    # Deployment mistakes a retry cannot fix: exit 0 with no summary, no executable at DEEPINFER_JOB_BIN.
+    "exit0_no_summary": dict(codes=[0], state="failed", outcomes=["failed"], no_summary=True,
+                             error="no readable summary"),
+    "missing_executable": dict(codes=[], state="failed", outcomes=["failed"], error="cannot run"),
     # Ray is attached only where the deployment names a cluster (a Variable via its AIRFLOW_VAR_ env form).
     "ray_from_variable": dict(codes=[0], state="success", outcomes=["success"],
                               env={"AIRFLOW_VAR_DEEPINFER_RAY_ADDRESS": "ray://head.example:10001"},
@@ -65,7 +69,7 @@ with open(LOG, "a") as f:
 with open(LOG) as f:
     calls = sum(1 for _ in f)
 code = CODES[min(calls, len(CODES)) - 1]
-if code == 0:
+if code == 0 and {write_summary!r}:
     with open(sys.argv[sys.argv.index("--summary-json") + 1], "w") as f:
         json.dump({summary!r}, f)
 print("stand-in deepinfer-job: exit", code, flush=True)
@@ -100,7 +104,9 @@ DRIVER = textwrap.dedent('''\
     def recorder(outcome):
         def callback(context):
             error = context.get("exception")
+            state = context["ti"].state
             outcomes.append({"outcome": outcome, "try_number": context["ti"].try_number,
+                             "ti_state": str(getattr(state, "value", state)),
                              "error_type": type(error).__name__ if error else None,
                              "error": str(error) if error else None})
         return callback
@@ -179,9 +185,10 @@ def airflow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cases = []
     for name, case in CASES.items():
         stub, calls = stubs / name, stubs / f"{name}.calls.jsonl"
-        stub.write_text(STUB.format(python=sys.executable, codes=case["codes"], log=str(calls),
-                                    summary=SUMMARY))
-        stub.chmod(0o755)
+        if case["codes"]:  # no codes: no stand-in at all, DEEPINFER_JOB_BIN names a missing file
+            stub.write_text(STUB.format(python=sys.executable, codes=case["codes"], log=str(calls),
+                                        summary=SUMMARY, write_summary=not case.get("no_summary")))
+            stub.chmod(0o755)
         cases.append({"name": name, "bin": str(stub), "env": case.get("env", {}),
                       "conf": {"spec": f"/specs/{name}.yaml", "output_path": f"/data/{name}/{{ds}}/"}})
     (root / "cases.json").write_text(json.dumps(cases))
@@ -193,9 +200,9 @@ def airflow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 str(root / "results.json"), TASK_ID], env, root / "driver.log", timeout=DAG_TIMEOUT_S)
     results: dict[str, Any] = json.loads((root / "results.json").read_text())
     results["seconds"] = time.monotonic() - start
-    results["calls"] = {name: [json.loads(line) for line in
-                               (stubs / f"{name}.calls.jsonl").read_text().splitlines()]
-                        for name in CASES if (stubs / f"{name}.calls.jsonl").exists()}
+    calls = {name: stubs / f"{name}.calls.jsonl" for name in CASES}
+    results["calls"] = {name: [json.loads(line) for line in path.read_text().splitlines()]
+                        if path.exists() else [] for name, path in calls.items()}
     results["driver_log"] = str(root / "driver.log")
     return results
 
@@ -215,10 +222,15 @@ def test_task_state_follows_exit_code(airflow_runs: dict[str, Any], name: str) -
     assert got["dag_run_state"] == case["state"], where
     outcomes = [o["outcome"] for o in got["outcomes"]]
     assert outcomes == case["outcomes"], where
+    assert [o["ti_state"] for o in got["outcomes"]] == outcomes, "the state Airflow gave each try"
     assert [o["try_number"] for o in got["outcomes"]] == list(range(1, len(outcomes) + 1)), where
     assert got["try_number"] == len(outcomes), where
     calls = airflow_runs["calls"][name]
-    assert len(calls) == len(outcomes), "one CLI call per try"
+    assert len(calls) == (len(outcomes) if case["codes"] else 0), "one CLI call per try"
+    if "error" in case:
+        assert got["outcomes"][-1]["error_type"] == "AirflowFailException"
+        assert case["error"] in got["outcomes"][-1]["error"]
+        return
 
     for outcome, code in zip(got["outcomes"], case["codes"] + case["codes"][-1:] * len(outcomes)):
         if outcome["outcome"] == "success":
