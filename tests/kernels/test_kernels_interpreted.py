@@ -46,6 +46,13 @@ def kmods():
     return mods
 
 
+# Bitwise invariance is a property of the compiled kernels; Triton's CPU interpreter emulates tl.dot with
+# host matmuls whose rounding is not guaranteed to be row-independent (seen with triton 3.8/3.9 on an AMD
+# EPYC host). The GPU tests test_bi_linear_rows_bitwise_invariant_across_batch_sizes and
+# test_paged_attention_bitwise_invariant_to_scheduling check it for real.
+_INVARIANCE_ON_GPU_ONLY = pytest.mark.skip(reason="bitwise invariance is checked on the GPU (test_kernels_gpu.py)")
+
+
 def _rand(*shape, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen).to(dtype)
@@ -74,6 +81,7 @@ def test_bi_linear_matches_reference(kmods, m, n, k, bias, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@_INVARIANCE_ON_GPU_ONLY
 def test_bi_linear_rows_are_batch_invariant(kmods):
     mm = kmods["matmul"]
     k, n = 96, 160
@@ -243,6 +251,7 @@ def test_paged_attention_matches_reference(kmods, hq, hkv, d, block_size, lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@_INVARIANCE_ON_GPU_ONLY
 def test_paged_attention_is_invariant_to_scheduling(kmods):
     """A token's output is bitwise the same computed in a full prefill, in decode, after a prefix-cache
     hit, in chunked prefill, and whatever other sequences share the step."""
