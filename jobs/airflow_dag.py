@@ -15,6 +15,8 @@ Deploy
 4. Adjust the params' defaults (spec, input/output paths, job name) or override them per run
    (`airflow dags trigger deepinfer_review_labeling --conf '{"output_path": "s3://b/rerun/"}'`). `{ds}`
    and `{ds_nodash}` in a param are replaced by the run's logical date.
+5. Try it on a worker with `airflow dags test deepinfer_review_labeling`; tests/pipeline/test_airflow_dag.py
+   runs it under Airflow 3 against a stand-in `deepinfer-job` for every exit code.
 
 Retries follow the CLI's exit codes (deepinfer-job's contract): 75 is a transient failure (storage, engine,
 infrastructure) and the task raises an ordinary exception, so the task's `retries` rerun the same command,
@@ -31,6 +33,7 @@ import collections
 import json
 import logging
 import os
+import shlex
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -87,8 +90,8 @@ def build_command(job_bin: str, params: Mapping[str, str], summary_json: str,
 
 
 def is_retryable(returncode: int) -> bool:
-    """Only 75 is worth an automatic retry; anything else, signals and unknown codes included, needs a person
-    (a worker killed from outside is Airflow's business: it never reaches this function)."""
+    """Only 75 is worth an automatic retry. Anything else needs a person: the documented codes would fail
+    the same way again, and so would a CLI killed by a signal (the OOM killer, say) or an unknown code."""
     return returncode == EXIT_RETRYABLE
 
 
@@ -107,7 +110,7 @@ def expand(params: Mapping[str, Any], ds: str, ds_nodash: str) -> dict[str, str]
 def run_cli(argv: list[str], env: Mapping[str, str]) -> tuple[int, list[str]]:
     """Run the CLI, streaming its output into the task log line by line; returns (exit code, last lines)."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    log.info("running: %s", " ".join(argv))
+    log.info("running: %s", shlex.join(argv))  # quoted, so it can be pasted to rerun the job by hand
     # stderr joins stdout so the log keeps the CLI's own order of progress and error lines. If the task is
     # killed (timeout, SIGTERM on worker shutdown), leaving the with-block kills the child too; the job is
     # resumable, so a later run picks up its committed parts.
@@ -124,7 +127,7 @@ def run_cli(argv: list[str], env: Mapping[str, str]) -> tuple[int, list[str]]:
 try:
     from airflow.sdk import Param, Variable, dag, get_current_context, task
 
-    try:  # Airflow >= 3.1; 3.0 only has it in airflow.exceptions, which later 3.x deprecate
+    try:  # the Task SDK's own; newer 3.x deprecate the airflow.exceptions name, older ones lack this one
         from airflow.sdk.exceptions import AirflowFailException
     except ImportError:
         from airflow.exceptions import AirflowFailException  # type: ignore[no-redef]
@@ -191,7 +194,7 @@ if dag is not None:
         start_date=datetime(2026, 1, 1),
         schedule="@daily",
         catchup=False,
-        # One run at a time: two runs writing to one output path would turn each other's parts into exit 4.
+        # One job at a time: a run can hold the worker's GPUs (or the cluster) for hours; runs queue.
         max_active_runs=1,
         params={key: Param(value, type="string") for key, value in DEFAULT_PARAMS.items()},
         tags=["deepinfer"],

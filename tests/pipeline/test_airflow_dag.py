@@ -35,8 +35,9 @@ SUMMARY = {
     "rows": {"total": 3, "ok": 3, "errored": 0, "this_run": 3, "resumed": 0},
 }
 
-# name -> exit codes of the stand-in's successive calls (the last repeats), expected final state, tries,
-# what each try reported (the callbacks Airflow ran), and the DAG params / environment of the run.
+# name -> codes: the stand-in's exit codes, call by call (the last repeats); state: the task's final state;
+# outcomes: what Airflow made of each try (the callback it ran, and the state it gave the try); env: the
+# worker's environment for the run; ray_address: the cluster the CLI must be pointed at (default: none).
 CASES: dict[str, dict[str, Any]] = {
     "exit0_done": dict(codes=[0], state="success", outcomes=["success"]),
     "exit1_bug": dict(codes=[1], state="failed", outcomes=["failed"]),
@@ -56,6 +57,11 @@ CASES: dict[str, dict[str, Any]] = {
     "ray_from_variable": dict(codes=[0], state="success", outcomes=["success"],
                               env={"AIRFLOW_VAR_DEEPINFER_RAY_ADDRESS": "ray://head.example:10001"},
                               ray_address="ray://head.example:10001"),
+    # The worker's DEEPINFER_RAY_ADDRESS is the more specific setting: it wins over the Variable.
+    "ray_from_worker_env": dict(codes=[0], state="success", outcomes=["success"],
+                                env={"AIRFLOW_VAR_DEEPINFER_RAY_ADDRESS": "ray://head.example:10001",
+                                     "DEEPINFER_RAY_ADDRESS": "ray://local-head:10001"},
+                                ray_address="ray://local-head:10001"),
 }
 
 STUB = '''\
@@ -76,7 +82,7 @@ print("stand-in deepinfer-job: exit", code, flush=True)
 sys.exit(code)
 '''
 
-# Runs inside the Airflow virtualenv: argv = dag file, cases JSON, results JSON.
+# Runs inside the Airflow virtualenv: argv = dag file, cases JSON, results JSON, task id.
 DRIVER = textwrap.dedent('''\
     import importlib.util, json, os, sys
     from datetime import datetime, timedelta, timezone
