@@ -50,12 +50,12 @@ def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
     m = llm.structured
     seqs = [Sequence(seq_id=i, prompt_token_ids=[5] * 8, params=p, seed=i) for i, p in enumerate(params)]
     for s in seqs:
-        s.extra["grammar"] = m.new_matcher(s.params)
+        m.add(s)
     g = torch.Generator(device="cuda").manual_seed(0)
     tot = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
     for _ in range(steps):
         t0 = time.perf_counter()
-        job = m.start_step(seqs)
+        job = m.masks_for(seqs)
         job.wait()
         t1 = time.perf_counter()
         logits = torch.randn(len(seqs), vocab, device="cuda", generator=g)
@@ -65,8 +65,8 @@ def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
         toks = logits.argmax(-1).tolist()
         t3 = time.perf_counter()
         for s, tok in zip(seqs, toks):
-            if not m.is_terminated(s.extra["grammar"]):
-                m.accept(s.extra["grammar"], tok)
+            if not m.is_terminated(s.grammar):
+                m.advance(s, tok)
                 s.output_token_ids.append(tok)
         t4 = time.perf_counter()
         tot["fill"] += t1 - t0

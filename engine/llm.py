@@ -6,11 +6,13 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as SeqType
+from typing import TYPE_CHECKING
 
 import torch
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.core.finish import FinishRules
 from deepinfer.engine.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
@@ -22,8 +24,12 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.runner.model_runner import ModelRunner
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed
+from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 from deepinfer.engine.text.output_processor import OutputProcessor
 from deepinfer.engine.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from deepinfer.engine.structured.manager import StructuredOutputManager
 
 _DEVICES = ("auto", "cuda", "cpu")
 
@@ -111,26 +117,22 @@ class LLM:
         n_blocks = blocks_that_fit(spec, cache_cfg, self.device)
         self.cache_cfg = dataclasses.replace(cache_cfg, num_blocks=n_blocks)
         kv_caches = allocate_kv_cache(spec, n_blocks, self.device)
-        self._structured = None  # built on the first constrained request (compiling the vocab costs time)
+        # One handle for the engine core, the runner and the finish rules; the manager behind it is built on
+        # the first constrained request (compiling the vocabulary for llguidance costs time).
+        self._structured = LazyStructuredOutputs(
+            self.model_dir / "tokenizer.json", mc.vocab_size, self.eos_token_ids, max_model_len=max_model_len,
+        )
         block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
-        scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager)
-        runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device)
-        self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer))
+        finish_rules = FinishRules(max_model_len, self._structured)
+        scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager, finish_rules)
+        runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device, self._structured)
+        self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured)
         self._ids = itertools.count()
 
     @property
-    def structured(self):
-        """The structured-output manager, created on first use and shared by runner and output processor."""
-        if self._structured is None:
-            from deepinfer.engine.structured.manager import StructuredOutputManager
-
-            self._structured = StructuredOutputManager(
-                self.model_dir / "tokenizer.json", self.model_config.vocab_size, self.eos_token_ids,
-                max_model_len=self.sched_cfg.max_model_len,
-            )
-            self.engine.runner.structured = self._structured
-            self.engine.outputs.structured = self._structured
-        return self._structured
+    def structured(self) -> StructuredOutputManager:
+        """The structured-output manager (built now if no constrained request has needed it yet)."""
+        return self._structured.manager
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -154,8 +156,7 @@ class LLM:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})")
-        if params.constrained:
-            self.structured.validate(params)
+        self._structured.validate(params)  # compiles a constrained request's grammar; no-op otherwise
         seed = params.seed
         if seed is None:
             seed = request_seed(self.seed, prompt_ids, params)

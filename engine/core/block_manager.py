@@ -27,11 +27,6 @@ from collections import OrderedDict, deque
 
 from deepinfer.engine.core.sequence import Sequence
 
-# seq.extra key of the memoized content hashes of a sequence's full blocks. A sequence's tokens
-# only ever grow, so the hash of its block i never changes: keeping it on the sequence lets a
-# preempted or head-of-line-blocked sequence be matched again without re-hashing.
-BLOCK_HASHES_KEY = "block_hashes"
-
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """Content hash of one full block given the hash of the block before it (b"" for the first)."""
@@ -91,7 +86,7 @@ class BlockManager:
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Chained hashes of the first `num_blocks` full blocks of seq.token_ids (memoized on seq)."""
-        hashes: list[bytes] = seq.extra.setdefault(BLOCK_HASHES_KEY, [])
+        hashes: list[bytes] = seq.block_hashes
         bs = self.block_size
         if len(hashes) < num_blocks:
             if num_blocks * bs > seq.num_tokens:
@@ -112,7 +107,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
         bs = self.block_size
-        hashes: list[bytes] = seq.extra.setdefault(BLOCK_HASHES_KEY, [])
+        hashes: list[bytes] = seq.block_hashes
         tokens: list[int] | None = None
         for i in range(max_blocks):
             if i == len(hashes):   # hash lazily: stop at the first miss without hashing the rest

@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.runner.model_runner import ModelRunner
 from deepinfer.engine.text.output_processor import OutputProcessor
 
+if TYPE_CHECKING:
+    from deepinfer.engine.structured.lazy import LazyStructuredOutputs
+
 
 class EngineCore:
-    """Drives one model replica. Single-threaded: the scheduler and block manager are plain CPU state."""
+    """Drives one model replica. Single-threaded: the scheduler and block manager are plain CPU state.
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor) -> None:
+    Owns each request's lifetime in the engine: `add` gives it its detokenizer (outputs) and grammar
+    state (structured), the scheduler's finish rules end it, and its grammar state is dropped as soon as
+    it finishes or is aborted.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
+                 structured: LazyStructuredOutputs | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
+        self.structured = structured
 
     def add(self, seq: Sequence) -> None:
+        """Queue a request (ValueError from the scheduler when it can never run)."""
         self.outputs.add(seq)
+        if self.structured is not None:
+            self.structured.add(seq)
         self.scheduler.add(seq)
 
     def step(self) -> list[Sequence]:
@@ -27,29 +41,24 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        runner_out = self.runner.execute(out)
-        finished = self.scheduler.update(out, runner_out)
-        done = {id(s) for s in finished}
-        by_id = {s.seq.seq_id: s.seq for s in out.sampled}
-        for seq_id, token in zip(runner_out.seq_ids, runner_out.token_ids):
-            seq = by_id[seq_id]
-            reason = self.outputs.process(seq, token)
-            if reason is not None:
-                if id(seq) in done:
-                    seq.finish_reason = reason   # a stop string on the last allowed token is still a stop
-                else:
-                    self.scheduler.finish(seq, reason)
-                    finished.append(seq)
-                    done.add(id(seq))
+        finished = self.scheduler.update(out, self.runner.execute(out))
+        if self.structured is not None:
+            for seq in finished:
+                self.structured.free(seq)
         return finished
 
     def abort_all(self) -> None:
+        """Finish every pending request with "abort" and drop its per-request state."""
         sched = self.scheduler
         for seq in [*sched.waiting, *sched.running]:
             sched.finish(seq, "abort")
-            seq.extra.clear()
+            if self.structured is not None:
+                self.structured.free(seq)
+            seq.detokenizer = None
+            seq.block_hashes.clear()
 
     def run(self, on_finish: Callable[[Sequence], None]) -> None:
+        """Step until no request is pending, calling `on_finish` for each one as it finishes."""
         while self.scheduler.has_unfinished():
             for seq in self.step():
                 on_finish(seq)

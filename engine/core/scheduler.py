@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: token budget, chunked prefill, prefix caching, preemption by recompute.
 
-One engine step is ``out = schedule()`` -> model runner -> ``update(out, runner_out)``.
+One engine step is ``out = schedule()`` -> model runner -> ``update(out, runner_out)``; `update` finishes
+requests by the finish rules (core/finish.py).
 
 Priority is FCFS: sequences are ordered by ``(seq.arrival, seq.seq_id)`` (lower first); `add()` must be
 called in that order. Each step:
@@ -25,7 +26,7 @@ from collections import deque
 
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
-from deepinfer.engine.core.finish import token_finish_reason
+from deepinfer.engine.core.finish import FinishRules
 from deepinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     ScheduledSequence,
@@ -46,7 +47,10 @@ class Scheduler:
         sched_cfg: SchedulerConfig,
         cache_cfg: CacheConfig,
         block_manager: BlockManager | None = None,
+        finish_rules: FinishRules | None = None,
     ) -> None:
+        """block_manager: built from cache_cfg when None. finish_rules: token rules plus stop strings
+        when None (no grammar: requests have no grammar state without a structured-output handle)."""
         if cache_cfg.num_blocks is None:
             raise ValueError("Scheduler needs CacheConfig.num_blocks resolved (got None)")
         if block_manager is None:
@@ -63,6 +67,7 @@ class Scheduler:
         self.cache_cfg = cache_cfg
         self.block_manager = block_manager
         self.block_size = cache_cfg.block_size
+        self.finish_rules = finish_rules if finish_rules is not None else FinishRules(sched_cfg.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # kept sorted by _priority
         self._ids: set[int] = set()           # ids of unfinished sequences, to reject duplicates
@@ -111,8 +116,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish `seq` from outside (stop string, grammar end, abort): frees its blocks. No-op when
-        it is already finished."""
+        """Finish `seq` now (by `update`, or from outside: abort): frees its blocks. No-op when it is
+        already finished."""
         if seq.is_finished:
             return
         if seq.status == SequenceStatus.RUNNING:
@@ -213,10 +218,16 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, register full blocks for prefix caching,
-        append sampled tokens (+ logprobs) and finish sequences by token rules. Returns the sequences
-        finished by this step, in batch order."""
+        append sampled tokens (+ logprobs) and finish sequences by the finish rules. Returns the sequences
+        finished by this step: those a token rule ended, then those only a text rule ended, each group
+        in batch order."""
         sampled = {sid: i for i, sid in enumerate(runner_out.seq_ids)}
         finished: list[Sequence] = []
+        # Requests that only a text rule (stop string, grammar) ended release their blocks after the rest of
+        # the step, the others at once. The release order decides which blocks later requests get and which
+        # cached prefixes are evicted first; this is the order of the engine before the rules were merged
+        # here, so block tables and prefix-cache hits (num_cached_tokens) stay exactly as they were.
+        text_finished: list[tuple[Sequence, str]] = []
         for s in out.scheduled:
             seq = s.seq
             if seq.is_finished:     # finished from outside between schedule() and update()
@@ -238,8 +249,15 @@ class Scheduler:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(lp)
-            reason = token_finish_reason(seq, self.cfg.max_model_len)
-            if reason is not None:
-                self.finish(seq, reason)
+            verdict = self.finish_rules.check(seq)
+            if verdict is None:
+                continue
+            if verdict.by_token_rule:
+                self.finish(seq, verdict.reason)
                 finished.append(seq)
+            else:
+                text_finished.append((seq, verdict.reason))
+        for seq, reason in text_finished:
+            self.finish(seq, reason)
+            finished.append(seq)
         return finished

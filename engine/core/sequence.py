@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.sample.params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the structured and text rooms import this module
+    from deepinfer.engine.structured.manager import GrammarState
+    from deepinfer.engine.text.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -37,8 +41,16 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
-    # Per-request companions owned by other components (detokenizer, grammar matcher).
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Content hashes of the full blocks of token_ids, block i at index i, memoized by the BlockManager:
+    # tokens only ever grow, so a block's hash never changes, and a preempted or head-of-line-blocked
+    # sequence is matched against the prefix cache again without re-hashing.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Incremental text, only for requests with stop strings (others are decoded once at the end).
+    # Created by the OutputProcessor, fed by the finish rules, consumed by OutputProcessor.build_output.
+    detokenizer: IncrementalDetokenizer | None = None
+    # Grammar matcher of a constrained request. Owned by the structured-output manager: created when the
+    # request is added, advanced by the finish rules, dropped when the request finishes or is aborted.
+    grammar: GrammarState | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -64,7 +64,8 @@ INIT_STD = 0.02
 
 
 def _corpus_paragraphs() -> list[str]:
-    text = resources.files("deepinfer.engine.models").joinpath("data/demo_corpus.txt").read_text(encoding="utf-8")
+    corpus = resources.files("deepinfer.engine.models").joinpath("data/demo_corpus.txt")
+    text = corpus.read_text(encoding="utf-8")
     return [p for p in text.split("\n\n") if p.strip()]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -10,6 +11,9 @@ from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerO
 from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 
 
 @dataclass
@@ -31,7 +35,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device,
-                 structured=None) -> None:
+                 structured: LazyStructuredOutputs | None = None) -> None:
+        """structured: where the grammar masks of constrained requests come from (None: never masked)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -94,21 +99,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = out.sampled
-        seqs = [s.seq for s in sampled]
+        """Forward the step's tokens and sample one token per sequence that samples this step."""
+        seqs = [s.seq for s in out.sampled]
         # Grammar masks are filled on CPU threads while the device runs the forward pass.
-        mask_job = self.structured.start_step(seqs) if self.structured is not None and seqs else None
+        masks = self.structured.masks_for(seqs) if self.structured is not None and seqs else None
         batch = self.prepare(out)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if not seqs:
-            if mask_job is not None:
-                mask_job.wait()
             return ModelRunnerOutput(seq_ids=[], token_ids=[], logprobs=[])
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         if logits.shape[-1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        if mask_job is not None:
-            mask_job.apply(logits)
+        if masks is not None:
+            masks.apply(logits)
         meta = SamplingMetadata.from_sequences(seqs, logits.shape[-1], self.device)
         result = self.sampler(logits, meta)
         tokens = result.token_ids.tolist()

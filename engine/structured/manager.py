@@ -1,14 +1,19 @@
-"""Structured output for the engine: validate constraints, hand out matchers, fill token masks per step.
+"""Structured output for the engine: the one owner of every request's grammar state.
 
-Life of a constrained request:
-  1. `validate(params)` when the request is added: compiles the constraint (cached by a canonical hash of
+Life of a constrained request (the engine reaches this through structured/lazy.py, which builds the manager
+on the first constrained request):
+  1. `validate(params)` when the request is made: compiles the constraint (cached by a canonical hash of
      kind + spec, shared by all requests) and raises ValueError naming the problem before any generation.
-  2. `new_matcher(params)` -> a `GrammarState`, stored by the engine in `seq.extra["grammar"]`.
-  3. Each step, `start_step(seqs)` fills the bitmask rows of the constrained sequences on a worker thread
+  2. `add(seq)` when it enters the engine: sets `seq.grammar` to a fresh `GrammarState`.
+  3. Each step, `masks_for(seqs)` fills the bitmask rows of the constrained sequences on a worker thread
      (llguidance releases the GIL and spreads rows over its own threads) while the model runs; the returned
      `StepMasks.apply(logits)` waits for it and applies the masks (-inf) to exactly those rows.
-  4. After sampling, `accept(state, token)` advances the matcher; when `is_terminated(state)` the engine
-     finishes the request with "stop". EOS is allowed by the mask only where the grammar can end.
+  4. After sampling, `advance(seq, token)` moves the matcher on and says whether the grammar is complete;
+     the finish rules (core/finish.py) then finish the request with "stop". EOS is allowed by the mask
+     only where the grammar can end.
+  5. `free(seq)` when the request finishes or is aborted.
+`new_matcher`, `accept`, `is_terminated` and `fill_bitmask(_async)` are the same steps on a bare
+`GrammarState`, for callers without engine sequences (tests, random walks, benchmarks).
 
 Preemption / recompute and prefix-cache hits need nothing here: a matcher advances only on tokens the
 request sampled (once each), never on recomputed or cached positions, so its state always equals "the
@@ -32,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepinfer.engine.sample.params import SamplingParams
@@ -49,6 +54,9 @@ from deepinfer.engine.structured.steering import (
     steering_threshold,
 )
 from deepinfer.kernels.masking import apply_token_bitmask_
+
+if TYPE_CHECKING:
+    from deepinfer.engine.core.sequence import Sequence as EngineSequence
 
 # (row index in the bitmask, the request's grammar state, its remaining token budget or None)
 MaskRow = tuple[int, "GrammarState", "int | None"]
@@ -221,7 +229,7 @@ class StructuredOutputManager:
         """`fill_bitmask` on the worker thread; the Future resolves (to None) when every row is filled."""
         return self._pool.submit(self.fill_bitmask, list(rows), bitmask)
 
-    def remaining_budget(self, seq: Any) -> int | None:
+    def remaining_budget(self, seq: EngineSequence) -> int | None:
         """Tokens the request may still generate, counting the token about to be sampled."""
         budgets = []
         if seq.params.max_tokens is not None:
@@ -230,16 +238,15 @@ class StructuredOutputManager:
             budgets.append(self.max_model_len - seq.num_tokens)
         return min(budgets) if budgets else None
 
-    def start_step(self, seqs: Sequence[Any]) -> StepMasks | None:
+    def masks_for(self, seqs: Sequence[EngineSequence]) -> StepMasks | None:
         """Start filling masks for the sequences sampling this step (logits row i = seqs[i]).
 
         Returns None when none of them is constrained.
         """
         rows: list[MaskRow] = []
         for i, seq in enumerate(seqs):
-            state = seq.extra.get("grammar")
-            if state is not None:
-                rows.append((i, state, self.remaining_budget(seq)))
+            if seq.grammar is not None:
+                rows.append((i, seq.grammar, self.remaining_budget(seq)))
         if not rows:
             return None
         bitmask = self._step_bitmask(len(seqs))
@@ -269,5 +276,27 @@ class StructuredOutputManager:
         m = state.matcher
         return not m.is_error() and (m.is_accepting() or m.is_terminated())
 
+    # ---- engine requests: the one place seq.grammar is created, advanced and dropped ------------------
+    def add(self, seq: EngineSequence) -> None:
+        """Give a constrained request its grammar state (unconstrained requests are left alone)."""
+        if seq.params.constrained:
+            seq.grammar = self.new_matcher(seq.params)
+
+    def advance(self, seq: EngineSequence, token_id: int) -> bool:
+        """Advance `seq`'s grammar on its newly sampled token; True when the grammar is now complete.
+
+        A rejected token is not raised here: the matcher goes into error, which counts as complete (the
+        request then ends with "stop" but not `is_valid_end`, see the module docstring)."""
+        state = seq.grammar
+        if state is None:
+            return False
+        self.accept(state, token_id)
+        return self.is_terminated(state)
+
+    def free(self, seq: EngineSequence) -> None:
+        """Drop `seq`'s grammar state (finished or aborted); no-op for unconstrained requests."""
+        seq.grammar = None
+
     def close(self) -> None:
+        """Stop the mask-filling worker thread (waits for a fill in flight)."""
         self._pool.shutdown(wait=True)

@@ -1,11 +1,5 @@
-"""Specification of the continuous-batching scheduler, driven by a model-free engine loop.
-
-`PagedKVRunner` stands in for the model runner + sampler honestly: it writes every computed token into a
-simulated paged KV cache through the sequence's block table, reads the whole context back through the
-block table (so a wrong block table or a bad prefix-cache hit is caught), and "samples" a token that is a
-deterministic function of the sequence's seed and the context it read. Outputs therefore depend only on
-each sequence's own state, never on batch composition, chunking, preemption or cache hits.
-"""
+"""Specification of the continuous-batching scheduler, driven by a model-free engine loop
+(tests/support/scheduler_harness.py). The finish rules are specified in test_finish.py."""
 
 from __future__ import annotations
 
@@ -13,100 +7,9 @@ import pytest
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.scheduler import Scheduler
-from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.core.sequence import Sequence, SequenceStatus
-from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.core.sequence import SequenceStatus
 
-
-class PagedKVRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.bs = block_size
-        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-
-    def slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
-        return seq.block_table[pos // self.bs], pos % self.bs
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        ids, toks = [], []
-        for s in out.scheduled:
-            seq, end = s.seq, s.start + s.num_new_tokens
-            assert len(seq.block_table) * self.bs >= end, "block table too short for the step"
-            for pos in range(s.start, end):
-                b, o = self.slot(seq, pos)
-                self.kv[b][o] = seq.token_at(pos)
-        for s in out.scheduled:   # attention reads after all writes of the step
-            seq, end = s.seq, s.start + s.num_new_tokens
-            context = [self.kv[b][o] for b, o in (self.slot(seq, p) for p in range(end))]
-            assert context == seq.token_ids[:end], f"seq {seq.seq_id} reads a corrupted KV context"
-            if s.sample:
-                h = seq.seed
-                for t in context:
-                    h = (h * 31 + t) % 1_000_003
-                ids.append(seq.seq_id)
-                toks.append(h % 50 + 10)
-        return ModelRunnerOutput(seq_ids=ids, token_ids=toks, logprobs=[None] * len(ids))
-
-
-class ScriptedRunner:
-    """Samples the next token of a per-sequence script (indexed by output position)."""
-
-    def __init__(self, scripts: dict[int, list[int]]) -> None:
-        self.scripts = scripts
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        rows = [s.seq for s in out.sampled]
-        return ModelRunnerOutput(
-            seq_ids=[q.seq_id for q in rows],
-            token_ids=[self.scripts[q.seq_id][q.num_output_tokens] for q in rows],
-            logprobs=[{self.scripts[q.seq_id][q.num_output_tokens]: -0.5 * q.num_output_tokens}
-                      for q in rows],
-        )
-
-
-def make_seq(seq_id: int, prompt: list[int], eos: frozenset[int] = frozenset(), **params) -> Sequence:
-    params.setdefault("max_tokens", 8)
-    return Sequence(seq_id=seq_id, prompt_token_ids=list(prompt), params=SamplingParams(**params),
-                    seed=1000 + seq_id, eos_token_ids=eos, arrival=seq_id)
-
-
-def make_scheduler(num_blocks=64, block_size=16, budget=256, max_seqs=8, max_model_len=512,
-                   chunked=True, prefix=True) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        enable_chunked_prefill=chunked),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix),
-    )
-
-
-Step = list[tuple[int, int, int, bool]]   # (seq_id, start, num_new_tokens, sample) per scheduled sequence
-
-
-def run(sched: Scheduler, runner, max_steps: int = 5000) -> tuple[list[Step], list[Sequence]]:
-    """The engine loop; checks the per-step contract and returns (steps, finished-in-order)."""
-    cfg, bm = sched.cfg, sched.block_manager
-    steps, finished = [], []
-    while sched.has_unfinished():
-        assert len(steps) < max_steps, "no progress"
-        out = sched.schedule()
-        assert not out.is_empty, "unfinished sequences but an empty step"
-        ids = [s.seq.seq_id for s in out.scheduled]
-        assert len(ids) == len(set(ids)) <= cfg.max_num_seqs
-        total = sum(s.num_new_tokens for s in out.scheduled)
-        assert out.num_batched_tokens == total <= cfg.max_num_batched_tokens
-        for s in out.scheduled:
-            assert s.seq.status == SequenceStatus.RUNNING and s.start == s.seq.num_computed_tokens
-            assert s.num_new_tokens >= 1 and s.sample == (s.start + s.num_new_tokens == s.seq.num_tokens)
-        assert sched.num_running <= cfg.max_num_seqs
-        steps.append([(s.seq.seq_id, s.start, s.num_new_tokens, s.sample) for s in out.scheduled])
-        finished += sched.update(out, runner.execute(out))
-        bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks, "every block is returned at the end"
-    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
-    return steps, finished
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 13 + 7 * i) % 97 + 1 for i in range(n)]
+from tests.support.scheduler_harness import PagedKVRunner, make_scheduler, make_seq, prompt, run
 
 
 def reference_outputs(seqs_spec: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
@@ -302,65 +205,6 @@ def test_preempted_sequence_gets_prefix_hits_on_readmission():
     run(sched, runner)
     ref = reference_outputs([(0, prompt(0, 8), 6), (1, prompt(1, 8), 4)])
     assert (old.output_token_ids, new.output_token_ids) == (ref[0], ref[1])
-
-
-# ---- finish rules ------------------------------------------------------------------------------
-EOS = frozenset({99})
-
-
-@pytest.mark.parametrize(
-    "script, params, max_model_len, expected_tokens, expected_reason",
-    [
-        ([11, 12, 99, 13], {"max_tokens": 10}, 512, [11, 12, 99], "stop"),
-        ([11, 99, 13, 14], {"max_tokens": 3, "ignore_eos": True}, 512, [11, 99, 13], "length"),
-        ([99, 12, 99, 99], {"max_tokens": 10, "min_tokens": 2}, 512, [99, 12, 99], "stop"),
-        ([11, 42, 13], {"max_tokens": 10, "stop_token_ids": [42]}, 512, [11, 42], "stop"),
-        ([11, 42, 13], {"max_tokens": 10, "stop_token_ids": [42], "ignore_eos": True}, 512, [11, 42], "stop"),
-        ([42, 42, 42], {"max_tokens": 10, "stop_token_ids": [42], "min_tokens": 1}, 512, [42, 42], "stop"),
-        ([11, 12, 13, 14], {"max_tokens": 3}, 512, [11, 12, 13], "length"),
-        ([11, 12, 99], {"max_tokens": 3}, 512, [11, 12, 99], "stop"),    # stop wins over length
-        ([11, 12, 13, 14, 15], {"max_tokens": None}, 8, [11, 12, 13], "length"),   # 5 + 3 = max_model_len
-        ([11, 12, 13, 14, 15], {"max_tokens": 10}, 7, [11, 12], "length"),
-    ],
-)
-def test_token_finish_reasons(script, params, max_model_len, expected_tokens, expected_reason):
-    sched = make_scheduler(max_model_len=max_model_len)
-    seq = make_seq(0, prompt(0, 5), eos=EOS, **params)
-    sched.add(seq)
-    _, finished = run(sched, ScriptedRunner({0: script}))
-    assert finished == [seq] and seq.status == SequenceStatus.FINISHED
-    assert (seq.output_token_ids, seq.finish_reason) == (expected_tokens, expected_reason)
-    assert seq.logprobs == [{t: -0.5 * i} for i, t in enumerate(expected_tokens)]
-
-
-@pytest.mark.parametrize("state", ["waiting", "running"])
-def test_finish_from_outside_frees_blocks(state):
-    sched = make_scheduler()
-    seq = make_seq(0, prompt(0, 20), max_tokens=10)
-    sched.add(seq)
-    if state == "running":
-        out = sched.schedule()
-        sched.update(out, PagedKVRunner(64, 16).execute(out))
-        assert seq.block_table
-    sched.finish(seq, "stop")
-    sched.finish(seq, "stop")   # idempotent
-    assert seq.finish_reason == "stop" and seq.block_table == [] and not sched.has_unfinished()
-    assert sched.block_manager.num_free_blocks == 64
-    assert sched.schedule().is_empty
-
-
-def test_finish_between_schedule_and_update_is_skipped():
-    sched = make_scheduler()
-    a, b = make_seq(0, prompt(0, 5)), make_seq(1, prompt(1, 5))
-    sched.add(a)
-    sched.add(b)
-    runner = PagedKVRunner(64, 16)
-    out = sched.schedule()
-    runner_out = runner.execute(out)
-    sched.finish(a, "stop")   # e.g. aborted while the step ran
-    sched.update(out, runner_out)
-    assert a.output_token_ids == [] and b.num_output_tokens == 1
-    run(sched, runner)
 
 
 # ---- add() validation --------------------------------------------------------------------------

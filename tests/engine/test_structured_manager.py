@@ -241,13 +241,15 @@ def test_fill_bitmask_async_fills_rows_on_the_worker(manager, tok):
     assert torch.equal(unpack_bitmask(bm[2:3], manager.vocab_size)[0], _mask(manager, s1))
 
 
-def test_start_step_masks_only_constrained_rows(manager, tok):
+def test_masks_for_masks_only_constrained_rows(manager, tok):
     def seq(params, out_len=0):
-        extra = {"grammar": manager.new_matcher(params)} if params.constrained else {}
-        return SimpleNamespace(params=params, extra=extra, num_output_tokens=out_len, num_tokens=5 + out_len)
+        s = SimpleNamespace(params=params, grammar=None, num_output_tokens=out_len, num_tokens=5 + out_len)
+        manager.add(s)
+        return s
 
     seqs = [seq(SamplingParams()), seq(SamplingParams(choice=["yes", "no"])), seq(SamplingParams())]
-    job = manager.start_step(seqs)
+    assert seqs[0].grammar is None and seqs[1].grammar is not None
+    job = manager.masks_for(seqs)
     logits = torch.zeros(3, manager.vocab_size)
     job.apply(logits)
     assert torch.equal(logits[0], torch.zeros(manager.vocab_size))
@@ -255,7 +257,7 @@ def test_start_step_masks_only_constrained_rows(manager, tok):
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     texts = {tok.decode([t]) for t in allowed}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
-    assert manager.start_step([seqs[0], seqs[2]]) is None
+    assert manager.masks_for([seqs[0], seqs[2]]) is None
 
 
 def test_steering_changes_masks_only_near_the_budget_end(manager, tok):
@@ -275,12 +277,13 @@ def test_steering_changes_masks_only_near_the_budget_end(manager, tok):
 @pytest.mark.gpu
 def test_step_masks_apply_on_cuda(manager):
     params = SamplingParams(json_schema={"type": "boolean"})
-    seqs = [SimpleNamespace(params=params, extra={"grammar": manager.new_matcher(params)},
-                            num_output_tokens=0, num_tokens=3),
-            SimpleNamespace(params=SamplingParams(), extra={}, num_output_tokens=0, num_tokens=3)]
-    job = manager.start_step(seqs)
+    seqs = [SimpleNamespace(params=params, grammar=None, num_output_tokens=0, num_tokens=3),
+            SimpleNamespace(params=SamplingParams(), grammar=None, num_output_tokens=0, num_tokens=3)]
+    for s in seqs:
+        manager.add(s)
+    job = manager.masks_for(seqs)
     logits = torch.zeros(2, manager.vocab_size, device="cuda")
     job.apply(logits)
     expected = torch.zeros(2, manager.vocab_size)
-    expected[0, ~_mask(manager, seqs[0].extra["grammar"])] = float("-inf")
+    expected[0, ~_mask(manager, seqs[0].grammar)] = float("-inf")
     assert torch.equal(logits.cpu(), expected)
