@@ -42,3 +42,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_checkpoint: Callable[..., Path]) -> str:
+    """The tiny float32 Llama checkpoint most engine and pipeline tests run on (its directory)."""
+    return str(tiny_checkpoint("llama"))

@@ -8,11 +8,6 @@ import pytest
 from deepinfer.engine import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama"))
-
-
 def _requests(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(7)
     long_prefix = [rng.randrange(10, vocab) for _ in range(40)]

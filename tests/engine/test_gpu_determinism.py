@@ -23,7 +23,7 @@ LLAMA_8B = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def llama8b_dir(tmp_path_factory):
     from deepinfer.engine.models.demo import write_tokenizer_files
 
     d = tmp_path_factory.mktemp("llama8b")
@@ -32,12 +32,12 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def _llm(model_dir, **kw):
+def _llm(llama8b_dir, **kw):
     from deepinfer.engine import LLM
 
     gc.collect()
     torch.cuda.empty_cache()  # the previous engine's weights and cache must be gone before sizing this one
-    return LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy", seed=0,
+    return LLM(model=str(llama8b_dir), dtype="bfloat16", device="cuda", load_format="dummy", seed=0,
                max_model_len=2048, gpu_memory_utilization=0.5, **kw)
 
 
@@ -58,15 +58,15 @@ def _run(llm, prompts, params, idx):
     return {i: (o.token_ids, o.logprobs) for i, o in zip(idx, outs)}
 
 
-def test_bitwise_identity_across_batch_sizes_chunking_and_prefix_hits(model_dir):
+def test_bitwise_identity_across_batch_sizes_chunking_and_prefix_hits(llama8b_dir):
     prompts, params = _requests(256)
-    llm = _llm(model_dir, max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False)
+    llm = _llm(llama8b_dir, max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False)
     ref = _run(llm, prompts, params, list(range(256)))
     for size in (64, 7, 1):
         idx = list(range(3, 3 + size))
         assert _run(llm, prompts, params, idx) == {i: ref[i] for i in idx}, f"batch size {size} differs"
     del llm
-    chunked = _llm(model_dir, max_num_seqs=64, max_num_batched_tokens=160, enable_prefix_caching=True)
+    chunked = _llm(llama8b_dir, max_num_seqs=64, max_num_batched_tokens=160, enable_prefix_caching=True)
     idx = list(range(0, 256, 9))
     first = _run(chunked, prompts, params, idx)
     again = _run(chunked, prompts, params, idx)  # prefix-cache hits on every shared block

@@ -9,11 +9,6 @@ import pytest
 from deepinfer.engine import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):
-    return tiny_checkpoint("llama")
-
-
 def test_missing_model_directory(tmp_path):
     with pytest.raises(ValueError, match="does-not-exist"):
         LLM(model=str(tmp_path / "does-not-exist"), device="cpu")
