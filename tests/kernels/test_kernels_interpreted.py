@@ -1,7 +1,8 @@
 """The Triton kernels on CPU under Triton's interpreter, tiny shapes (a subprocess with TRITON_INTERPRET=1).
 
 Triton decides at import time whether @triton.jit builds interpreter functions (its own standard library
-included), so this module only runs in a process started with TRITON_INTERPRET=1: tests/kernels/test_kernels_cpu.py
+included), so this module only runs in a process started with TRITON_INTERPRET=1:
+tests/kernels/test_kernels_cpu.py
 starts one. Checks: agreement with the plain-torch `*_ref` beside each kernel (float32: tight; bf16: the
 interpreter rounds float32->bf16 by truncation where the GPU rounds to nearest, so only a 1-2 ulp tolerance
 is meaningful here) and batch invariance (bitwise).
@@ -50,7 +51,8 @@ def kmods():
 # host matmuls whose rounding is not guaranteed to be row-independent (seen with triton 3.8/3.9 on an AMD
 # EPYC host). The GPU tests test_bi_linear_rows_bitwise_invariant_across_batch_sizes and
 # test_paged_attention_bitwise_invariant_to_scheduling check it for real.
-_INVARIANCE_ON_GPU_ONLY = pytest.mark.skip(reason="bitwise invariance is checked on the GPU (test_kernels_gpu.py)")
+_INVARIANCE_ON_GPU_ONLY = pytest.mark.skip(
+    reason="bitwise invariance is checked on the GPU (test_kernels_gpu.py)")
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):

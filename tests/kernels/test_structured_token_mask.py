@@ -93,6 +93,7 @@ def test_wrapper_rejects_bad_arguments(logits, bitmask, rows, message):
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
+    from deepinfer.kernels.reference.token_mask import apply_token_bitmask_torch_
     from deepinfer.kernels.token_mask import apply_token_bitmask_triton_
     gen = torch.Generator().manual_seed(0)
     for s, v in [(1, 1), (3, 33), (4, 1030), (2, 2049)]:

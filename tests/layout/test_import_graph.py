@@ -23,7 +23,8 @@ def _module_name(path: Path) -> str:
 
 
 def _source_files() -> list[Path]:
-    return sorted(p for root in SOURCE_ROOTS for p in (REPO / root).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for root in SOURCE_ROOTS for p in (REPO / root).rglob("*.py")
+                  if "__pycache__" not in p.parts)
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -130,7 +131,8 @@ def test_no_module_level_import_cycle():
 
 
 def test_kernels_import_nothing_from_the_engine():
-    edges = [(m, t) for m, targets in _graph(module_level_only=False).items() if m.startswith("deepinfer.kernels")
+    graph = _graph(module_level_only=False)
+    edges = [(m, t) for m, targets in graph.items() if m.startswith("deepinfer.kernels")
              for t in targets if t.startswith("deepinfer.engine")]
     assert edges == []
 

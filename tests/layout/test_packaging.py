@@ -38,7 +38,8 @@ def test_every_python_folder_imports_from_the_installed_package(folder):
 
 def _build_wheel(src: Path, out: Path) -> zipfile.ZipFile:
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+         str(src)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -65,8 +66,8 @@ def tree_with_a_new_room(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_wheel_holds_every_module_package_data_and_a_new_room(tree_with_a_new_room, tmp_path):
     root = tree_with_a_new_room
     names = set(_build_wheel(root, tmp_path).namelist())
-    expected = {"deepinfer/" + str(p.relative_to(root)) for r in SOURCE_ROOTS for p in (root / r).rglob("*.py")
-                if "__pycache__" not in p.parts}
+    expected = {"deepinfer/" + str(p.relative_to(root)) for r in SOURCE_ROOTS
+                for p in (root / r).rglob("*.py") if "__pycache__" not in p.parts}
     assert expected - names == set()
     assert "deepinfer/engine/brand_new_room/deeper/thing.py" in names
     assert {"deepinfer/schemas/job.schema.json", "deepinfer/schemas/summary.schema.json",
