@@ -3,7 +3,11 @@
 Exit codes are a contract (DESIGN.md): 0 done (errors within budget), 2 invalid spec or usage, 3 error
 budget exceeded, 4 output path holds another job (different fingerprint), 75 retryable failure
 (storage/engine/infra), 1 bug. Every exception a job raises on purpose derives from :class:`JobError` and
-carries its ``exit_code``, so the CLI can do ``except JobError as e: return e.exit_code``.
+carries its ``exit_code``, so the CLI can do ``except JobError as e: return e.exit_code``. Anything else
+is judged by :func:`classify_exception` (rules in failures.py): 2 for what a person must fix (credentials,
+permissions, a missing bucket, a read-only or wrong-kind path, MemoryError, a spec refused inside a Ray
+actor), 75 only for what may pass by itself (timeouts, throttling, 5xx, resets, lost workers), else 1.
+Job errors pickle with their fields, so they cross Ray's process boundary intact.
 
 A row that cannot be processed is not fatal: it becomes one error row (id, stage, code, message) that is
 committed in ``errors/`` atomically together with the rest of its part, exactly once. Messages must be
@@ -18,8 +22,10 @@ import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
-import pyarrow as pa
+from deepinfer.pipeline.failures import first_line, must_fix, s3_code
 
 
 class ExitCode(enum.IntEnum):
@@ -45,13 +51,27 @@ class SpecError(JobError, ValueError):
 
     exit_code = ExitCode.USAGE
 
+    MAX_PROBLEM_CHARS = 500  # a problem quotes at most a prefix of a bad value, whatever produced it
+
     def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
+        limit = self.MAX_PROBLEM_CHARS
+        self.problems = [p if len(p) <= limit else p[: limit - 1] + "…" for p in map(str, problems)]
         super().__init__("invalid job spec:\n  " + "\n  ".join(self.problems))
+
+    def __reduce__(self) -> tuple:
+        # Ray pickles exceptions raised in workers; the default (cls, args) would rebuild problems from
+        # the joined message one character at a time.
+        return type(self), (self.problems,)
 
 
 class InputError(JobError, ValueError):
     """The input cannot be read as specified (a malformed file, not a row-level problem): exit 2."""
+
+    exit_code = ExitCode.USAGE
+
+
+class OutputPathError(JobError, ValueError):
+    """output.path cannot be used for this job (another owner's files, a file, a root): exit 2."""
 
     exit_code = ExitCode.USAGE
 
@@ -73,6 +93,9 @@ class FingerprintMismatch(JobError):
             "use another output path, or rerun with --restart to discard the existing output"
         )
 
+    def __reduce__(self) -> tuple:
+        return type(self), (self.output_url, self.differences)
+
 
 class ErrorBudgetExceeded(JobError):
     """More rows failed than ``max_error_fraction`` allows (exit 3, after committing what succeeded)."""
@@ -87,6 +110,9 @@ class ErrorBudgetExceeded(JobError):
             f"{error_rows} of {total_rows} rows failed, more than max_error_fraction={max_error_fraction}; "
             "the failed rows are in errors/ of the output"
         )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.error_rows, self.total_rows, self.max_error_fraction)
 
 
 class RetryableError(JobError):
@@ -123,17 +149,31 @@ class ErrorCode(str, enum.Enum):
     INVALID_JSON = "INVALID_JSON"  # output_schema set but the text does not parse as JSON
     SCHEMA_MISMATCH = "SCHEMA_MISMATCH"  # parses, but does not validate against output_schema
     TRUNCATED = "TRUNCATED"  # output_schema set and generation hit max_tokens (finish_reason "length")
+    DUPLICATE_ID = "DUPLICATE_ID"  # an earlier row (input order) has the same id; that one is processed
+    BAD_FILE = "BAD_FILE"  # input.on_bad_file: quarantine, and this row's file cannot be read
 
 
-ERROR_SCHEMA = pa.schema(
-    [
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("stage", pa.string(), nullable=False),
-        pa.field("code", pa.string(), nullable=False),
-        pa.field("message", pa.string(), nullable=False),
-    ]
-)
-"""Schema of the tables in errors/. ``id`` is the row id (id_column value as a string, or "file:row")."""
+@cache
+def _error_schema() -> Any:
+    import pyarrow as pa  # lazily: `deepinfer-job validate` imports this module and must stay light
+
+    return pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("stage", pa.string(), nullable=False),
+            pa.field("code", pa.string(), nullable=False),
+            pa.field("message", pa.string(), nullable=False),
+        ]
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # ERROR_SCHEMA: schema of the tables in errors/. ``id`` is the row id (id_column value as a string, or
+    # "file:row"). Built on first use (PEP 562) so that importing the exit codes does not import pyarrow.
+    if name == "ERROR_SCHEMA":
+        return _error_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -161,8 +201,10 @@ class ErrorRow:
         object.__setattr__(self, "message", str(self.message)[:MAX_MESSAGE_CHARS])
 
 
-def error_table(rows: Iterable[ErrorRow]) -> pa.Table:
-    """The errors of one part as a table with :data:`ERROR_SCHEMA`, in the order given (input order)."""
+def error_table(rows: Iterable[ErrorRow]) -> Any:
+    """The errors of one part as a pyarrow table with ERROR_SCHEMA, in the order given (input order)."""
+    import pyarrow as pa
+
     rows = list(rows)
     return pa.table(
         {
@@ -171,7 +213,7 @@ def error_table(rows: Iterable[ErrorRow]) -> pa.Table:
             "code": pa.array([r.code for r in rows], pa.string()),
             "message": pa.array([r.message for r in rows], pa.string()),
         },
-        schema=ERROR_SCHEMA,
+        schema=_error_schema(),
     )
 
 
@@ -211,6 +253,10 @@ class ErrorBudget:
 
 
 # ---- classification of what ended a run --------------------------------------------------------
+# The rule (DESIGN.md): 2 when a person must change something before a rerun can succeed (credentials,
+# permissions, a missing bucket, a read-only or wrong-kind path, a corrupt input file, a refused model),
+# 75 only when the very same command may succeed later (timeouts, throttling, 5xx, resets, lost workers),
+# 1 for everything else, which is a bug in deepinfer.
 
 def _cause_chain(exc: BaseException) -> list[BaseException]:
     chain, seen = [], set()
@@ -223,7 +269,7 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 
 
 def _retryable_types() -> tuple[type, ...]:
-    types: list[type] = [OSError, ConnectionError, TimeoutError, MemoryError]
+    types: list[type] = [OSError, ConnectionError, TimeoutError]
     ray = sys.modules.get("ray.exceptions")
     if ray is not None:
         for name in ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError",
@@ -244,7 +290,17 @@ def _retryable_types() -> tuple[type, ...]:
 
 
 def classify_exception(exc: BaseException) -> tuple[ExitCode, str]:
-    """(exit code, message) for `exc`; looks through Ray's task-error wrappers at the original cause."""
+    """(exit code, message) for `exc`; looks through Ray's task-error wrappers at the original cause.
+
+    The message is redacted by the spec's secret rule (URL userinfo, AWS key ids): it goes to the
+    terminal, to logs and to `_FAILED`."""
+    from deepinfer.pipeline.spec.secrets import redact_text
+
+    code, message = _classify(exc)
+    return code, redact_text(message)
+
+
+def _classify(exc: BaseException) -> tuple[ExitCode, str]:
     chain = _cause_chain(exc)
     for e in chain:
         code = getattr(e, "exit_code", None)
@@ -257,14 +313,18 @@ def classify_exception(exc: BaseException) -> tuple[ExitCode, str]:
         if isinstance(code, int) and code in (ExitCode.USAGE, ExitCode.BUDGET, ExitCode.OTHER_JOB,
                                               ExitCode.RETRY):
             return ExitCode(code), str(e)
+    # The S3 error response, when there is one, is the most specific account of what happened (s3fs
+    # wraps it in a generic PermissionError/OSError); it decides alone.
+    s3 = [e for e in chain if s3_code(e) is not None]
+    for e in s3[:1] or chain:
+        fix = must_fix(e)
+        if fix is not None:
+            return ExitCode.USAGE, fix
     retryable = _retryable_types()
     for e in chain:
         if isinstance(e, retryable):
-            return ExitCode.RETRY, (f"retryable failure: {type(e).__name__}: {_first_line(e)} "
+            return ExitCode.RETRY, (f"retryable failure: {type(e).__name__}: {first_line(e)} "
                                     "(run the same command again; it resumes)")
-    return ExitCode.BUG, f"unexpected error: {type(exc).__name__}: {_first_line(exc)}"
+    return ExitCode.BUG, f"unexpected error: {type(exc).__name__}: {first_line(exc)}"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else ""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+
+import pyarrow as pa
 
 PART_ID_RE = re.compile(r"^(\d{5})-(\d{10})$")
 PART_ID_LEN = 16
@@ -57,6 +59,49 @@ class PartSpec:
     @classmethod
     def from_dict(cls, d: dict) -> PartSpec:
         return cls(d["part_id"], d["file"], int(d["first_row"]), int(d["num_rows"]))
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """What a worker needs to read one part: the planned part joined with its input file's listing entry.
+
+    Tasks travel between the driver and the Ray workers as rows of :data:`PART_TASK_SCHEMA` (one typed
+    Arrow column per field, declared once here), never as free-form JSON.
+    """
+
+    part_id: str
+    file_index: int
+    url: str
+    relpath: str
+    first_row: int
+    num_rows: int
+    offset: int | None = None  # byte offset of first_row in an uncompressed JSONL file, when listed
+    # Rows (file row indices) whose id an earlier row of the job has: quarantined as DUPLICATE_ID
+    # (stages/dedupe.py decides them on the driver; the read stage marks them).
+    duplicates: tuple[int, ...] = ()
+
+    def as_mapping(self) -> dict:
+        """The plain mapping the read stage takes (stages/prompt.read_part_table)."""
+        return asdict(self)
+
+
+PART_TASK_SCHEMA = pa.schema([
+    ("part_id", pa.string()), ("file_index", pa.int32()), ("url", pa.string()), ("relpath", pa.string()),
+    ("first_row", pa.int64()), ("num_rows", pa.int64()), ("offset", pa.int64()),
+    ("duplicates", pa.list_(pa.int64())),
+])
+
+
+def tasks_table(tasks: Sequence[PartTask]) -> pa.Table:
+    """Part tasks as a :data:`PART_TASK_SCHEMA` table (the Ray Data input: one row per part)."""
+    names = [f.name for f in fields(PartTask)]
+    return pa.Table.from_pydict({n: [getattr(t, n) for t in tasks] for n in names}, schema=PART_TASK_SCHEMA)
+
+
+def tasks_from_table(table: pa.Table) -> list[PartTask]:
+    """Inverse of :func:`tasks_table`."""
+    return [PartTask(**{**row, "duplicates": tuple(row["duplicates"] or ())})
+            for row in table.select(PART_TASK_SCHEMA.names).to_pylist()]
 
 
 def make_part_id(file_index: int, first_row: int) -> str:

@@ -12,6 +12,8 @@ from typing import TextIO
 
 
 class ProgressDisplay:
+    """Rows advance as result blocks reach the driver (one per part), parts as they are committed."""
+
     def __init__(self, total_rows: int, done_rows: int, total_parts: int, done_parts: int,
                  label: str = "deepinfer", stream: TextIO | None = None, enabled: bool = True,
                  interval_s: float = 15.0) -> None:
@@ -51,8 +53,10 @@ class ProgressDisplay:
         self.out_tokens += out_tokens
         self._refresh()
 
-    def part_committed(self) -> None:
+    def part_committed(self, errors: int = 0) -> None:
+        """A part was committed; `errors` of its rows were quarantined (counted here, once committed)."""
         self.done_parts += 1
+        self.errors += errors
         self._refresh()
 
     def _refresh(self) -> None:

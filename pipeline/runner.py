@@ -7,20 +7,22 @@ committed -> as each part's last row comes back, build its output and error tabl
 
 A part is committed the moment its rows are all back, so a killed run loses at most the parts in flight.
 The error budget is judged over every row of the job (earlier runs' committed errors included); once the
-quarantined rows exceed it the verdict cannot change, so the run stops early with exit 3.
+quarantined rows exceed it the verdict cannot change, so the run stops early with exit 3. A run that ends
+non-zero once the output is open leaves `_FAILED` (job_store.py) for `status`; the next run removes it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError
+from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify_exception
+from deepinfer.pipeline.output.job_store import JobStore, failure_reason
+from deepinfer.pipeline.parts import PartSpec, PartTask, plan_parts
 from deepinfer.pipeline.progress import ProgressDisplay
 from deepinfer.pipeline.spec.load import JobSpec
 from deepinfer.pipeline.stages.assemble import (
@@ -30,11 +32,13 @@ from deepinfer.pipeline.stages.assemble import (
 )
 from deepinfer.pipeline.stages.plan import StagePlan, resolve_model_dir
 from deepinfer.pipeline.stages.read import InputFile, list_input
-from deepinfer.pipeline.summary import RunStats, format_summary, validate_summary
+from deepinfer.pipeline.summary import RunStats, format_summary, utc_now, validate_summary
 
 
 @dataclass(frozen=True)
 class SubmitOptions:
+    """The submit command's flags that are not part of the spec."""
+
     address: str | None = None
     restart: bool = False
     verbose: bool = False
@@ -49,12 +53,14 @@ def check_model(spec: JobSpec) -> str:
         model_dir = resolve_model_dir(spec.model.ref)
     except ValueError as exc:
         raise SpecError([f"{field}: {exc}"]) from None
+    from deepinfer.engine.models.loader import weight_files
     from deepinfer.engine.text.tokenizer import Tokenizer
     from deepinfer.pipeline.stages.prompt import model_max_len
 
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
         limit = model_max_len(model_dir, None)
+        weight_files(model_dir, spec.model.allow_pickle)  # a refused pickle checkpoint: exit 2 here
     except ValueError as exc:
         raise SpecError([f"{field}: {exc}"]) from None
     if spec.prompt.mode == "chat" and tokenizer.chat_template is None:
@@ -65,38 +71,40 @@ def check_model(spec: JobSpec) -> str:
     return model_dir
 
 
-def part_descriptors(listing: list[InputFile], planned: list[Any]) -> list[dict[str, Any]]:
-    """The planned parts (parts.plan_parts over the listing) as the plain dicts the stages receive."""
+def part_tasks(listing: list[InputFile], planned: list[PartSpec]) -> list[PartTask]:
+    """The planned parts (parts.plan_parts over the listing) joined with their files: what workers read."""
     by_url = {f.url: f for f in listing}
     out = []
     for p in planned:
         f = by_url[p.file]
         if f.index != p.file_index:  # both sort the same listing; a mismatch would mislabel rows
             raise RuntimeError(f"part {p.part_id}: file index {f.index} != planned {p.file_index}")
-        out.append({"part_id": p.part_id, "file_index": p.file_index, "url": f.url, "relpath": f.relpath,
-                    "first_row": p.first_row, "num_rows": p.num_rows, "offset": f.offset_of(p.first_row)})
+        out.append(PartTask(part_id=p.part_id, file_index=p.file_index, url=f.url, relpath=f.relpath,
+                            first_row=p.first_row, num_rows=p.num_rows, offset=f.offset_of(p.first_row)))
     return out
 
 
-def plan_job(listing: list[InputFile], rows_per_part: int) -> list[Any]:
-    from deepinfer.pipeline.parts import plan_parts
-
+def plan_job(listing: list[InputFile], rows_per_part: int) -> list[PartSpec]:
     return plan_parts([(f.url, f.num_rows) for f in listing], rows_per_part)
 
 
-def _execute(spec: JobSpec, plan: StagePlan, parts: list[dict], options: SubmitOptions
+def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions
              ) -> Iterator[pa.Table]:
     if spec.runtime.executor == "local":
         from deepinfer.pipeline.executors.local import run_local
 
         yield from run_local(plan, parts)
         return
-    from deepinfer.pipeline.executors.ray_data import connect, run_ray
+    from deepinfer.pipeline.executors.ray_data import EngineSettings, connect, run_ray
 
     session = connect(options.address, options.verbose)
+    from deepinfer.pipeline.cli.main import install_signal_handlers
+
+    install_signal_handlers()  # ray.init replaced the SIGTERM handler (exit 15 with a stack dump)
+    settings = EngineSettings(spec.runtime.engines, spec.runtime.engine_cpus,
+                              spec.runtime.max_batches_in_flight)
     try:
-        yield from run_ray(plan, parts, session, spec.runtime.engines, spec.runtime.engine_cpus,
-                           spec.runtime.max_batches_in_flight)
+        yield from run_ray(plan, parts, session, settings)
     finally:
         session.close()
 
@@ -104,29 +112,32 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[dict], options: SubmitO
 class PartCollector:
     """Gathers result rows per part; returns (part, rows) the moment the last distinct row of a part is back.
 
-    Rows are keyed by input position, so a row delivered twice (a retried task) is kept once, and rows of an
-    already completed part are ignored.
+    Executors deliver a part in one table as a rule (one Ray Data block per part), so this holds rows only
+    when a block was split. Rows are keyed by input position, so a row delivered twice (a retried task) is
+    kept once, and rows of an already completed part are ignored.
     """
 
-    def __init__(self, parts: list[dict]) -> None:
-        self.parts = {p["part_id"]: p for p in parts}
+    def __init__(self, parts: Sequence[PartTask]) -> None:
+        self.parts = {p.part_id: p for p in parts}
         self.rows: dict[str, list[pa.Table]] = {}
         self.seen: dict[str, set[int]] = {}
         self.done: set[str] = set()
 
-    def add(self, batch: pa.Table) -> list[tuple[dict, pa.Table]]:
+    def add(self, batch: pa.Table) -> list[tuple[PartTask, pa.Table]]:
         complete = []
         ids = batch.column("__part")
-        for part_id in sorted(set(ids.to_pylist())):
+        present = pc.unique(ids).to_pylist()
+        for part_id in sorted(present):
             if part_id in self.done:
                 continue
-            rows = batch.filter(pc.equal(ids, part_id))
+            # the rule is one part per block: take it whole rather than copying it through a filter
+            rows = batch if len(present) == 1 else batch.filter(pc.equal(ids, part_id))
             self.rows.setdefault(part_id, []).append(rows)
             self.seen.setdefault(part_id, set()).update(rows.column("__row").to_pylist())
             part = self.parts[part_id]
-            if len(self.seen[part_id]) == part["num_rows"]:
+            if len(self.seen[part_id]) == part.num_rows:
                 table = pa.concat_tables(self.rows.pop(part_id))
-                if table.num_rows != part["num_rows"]:
+                if table.num_rows != part.num_rows:
                     table = _dedupe_rows(table)
                 del self.seen[part_id]
                 self.done.add(part_id)
@@ -145,15 +156,38 @@ def _dedupe_rows(table: pa.Table) -> pa.Table:
     return table.take(pa.array(sorted(first.values()), type=pa.int64()))
 
 
-def run_job(spec: JobSpec, options: SubmitOptions) -> int:
-    """Run `spec` to completion; returns the exit code (0 or 3). Other failures raise."""
-    from deepinfer.pipeline.output.job_store import JobStore
+@dataclass
+class RunContext:
+    """What one run hands from set-up to the part loop (built once in _run_job)."""
 
+    spec: JobSpec
+    options: SubmitOptions
+    store: JobStore
+    assembler: PartAssembler
+    stats: RunStats
+    budget: ErrorBudget
+    progress: ProgressDisplay
+
+
+def run_job(spec: JobSpec, options: SubmitOptions) -> int:
+    """Run `spec` to completion; returns the exit code (0 or 3). Other failures raise.
+
+    Once the output is open, a run that ends with a non-zero code (returned or raised) leaves `_FAILED`
+    with the code and its reason for `status`; KeyboardInterrupt and kills leave the job *interrupted*.
+    """
+    stats = RunStats(rows_total=0, parts_total=0)  # its clock starts before the model and input checks
     model_dir = check_model(spec)
+    from deepinfer.pipeline.output.ownership import stored_rows_per_part
+    from deepinfer.pipeline.stages.dedupe import mark_duplicates
+
+    # A resume keeps the split into parts of the run that started the output (rows_per_part is a
+    # runtime setting and may differ between a run and its resume).
+    stored = None if options.restart else stored_rows_per_part(spec.output.path, spec.output.storage_options)
+    rows_per_part = stored or spec.runtime.rows_per_part
     listing = list_input(spec.input.path, spec.input.format, spec.input.storage_options,
-                         stride=spec.runtime.rows_per_part)
-    planned = plan_job(listing, spec.runtime.rows_per_part)
-    parts = part_descriptors(listing, planned)
+                         stride=rows_per_part, on_bad_file=spec.input.on_bad_file)
+    planned = plan_job(listing, rows_per_part)
+    parts = mark_duplicates(spec, listing, part_tasks(listing, planned))
     store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart)
     try:
         if store.complete:
@@ -163,18 +197,31 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
             if summary is not None:
                 _report(summary, options)
             return 0
-        return _run_job(spec, options, store, parts, listing)
+        store.clear_failure()
+        stats.rows_total, stats.parts_total = sum(p.num_rows for p in parts), len(parts)
+        try:
+            code = _run_job(spec, options, store, parts, listing, stats)
+        except Exception as exc:
+            code, message = classify_exception(exc)
+            store.record_failure(code, failure_reason(code, exc), message, utc_now(), stats.parts_committed)
+            if code == ExitCode.USAGE:  # refused before anything was committed: take back _job.json
+                store.store.discard_if_unstarted()
+            raise
+        if code != ExitCode.OK:
+            message = (f"error budget exceeded: {stats.errored_total} of {stats.rows_total} rows "
+                       f"quarantined, more than runtime.max_error_fraction={spec.runtime.max_error_fraction}")
+            store.record_failure(code, failure_reason(code), message, utc_now(), stats.parts_committed)
+        return code
     finally:
         store.close()
 
 
-def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict],
-             listing: list[InputFile]) -> int:
+def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list[PartTask],
+             listing: list[InputFile], stats: RunStats) -> int:
     committed = store.committed()
-    todo = [p for p in parts if p["part_id"] not in committed]
-    stats = RunStats(rows_total=sum(p["num_rows"] for p in parts), parts_total=len(parts))
+    todo = [p for p in parts if p.part_id not in committed]
     stats.parts_resumed = len(parts) - len(todo)
-    stats.rows_resumed = stats.rows_total - sum(p["num_rows"] for p in todo)
+    stats.rows_resumed = stats.rows_total - sum(p.num_rows for p in todo)
     stats.errored_resumed = store.committed_error_rows()
     stats.ok_resumed = stats.rows_resumed - stats.errored_resumed
     budget = ErrorBudget(spec.runtime.max_error_fraction)
@@ -183,7 +230,8 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict
     if spec.input.format == "parquet":
         keep_types = keep_types_from_parquet([f.url for f in listing], cols, spec.input.storage_options)
     else:
-        keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options)
+        keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options,
+                                           id_column=spec.input.id_column)
     assembler = PartAssembler(spec.id_column, spec.input.id_column is None, spec.output.keep_columns,
                               spec.output_schema, keep_types)
     if options.progress:
@@ -192,11 +240,12 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict
               file=sys.stderr)
     progress = ProgressDisplay(stats.rows_total, stats.rows_resumed, len(parts), stats.parts_resumed,
                                label=spec.name or "deepinfer", enabled=options.progress)
+    ctx = RunContext(spec, options, store, assembler, stats, budget, progress)
     try:
         if budget.exceeded(stats.errored_total, stats.rows_total):
             exit_code = ExitCode.BUDGET
         else:
-            exit_code = _run_parts(spec, todo, options, store, assembler, stats, budget, progress)
+            exit_code = _run_parts(ctx, todo)
     finally:
         progress.close()
     summary = stats.summary(job=spec.name, output=spec.output.path, fingerprint=store.fingerprint,
@@ -212,24 +261,22 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: Any, parts: list[dict
     return exit_code
 
 
-def _run_parts(spec: JobSpec, todo: list[dict], options: SubmitOptions, store: Any,
-               assembler: PartAssembler, stats: RunStats, budget: ErrorBudget,
-               progress: ProgressDisplay) -> int:
+def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
+    """Stream the executor's results and commit each part the moment its rows are all back."""
     if not todo:
         return 0
-    plan = StagePlan.from_spec(spec)
     collector = PartCollector(todo)
-    results = _execute(spec, plan, todo, options)
+    results = _execute(ctx.spec, StagePlan.from_spec(ctx.spec), todo, ctx.options)
     try:
         for batch in results:
-            rows, errored, out_tokens = stats.add_batch(batch)
-            progress.advance(rows, errored, out_tokens)
+            rows, out_tokens = ctx.stats.add_batch(batch)
+            ctx.progress.advance(rows, 0, out_tokens)
             for part, table in collector.add(batch):
-                ok, errors = assembler.build(table)
-                store.commit(part["part_id"], ok, errors)
-                stats.parts_committed += 1
-                progress.part_committed()
-            if budget.exceeded(stats.errored_total, stats.rows_total):
+                ok, errors = ctx.assembler.build(table)
+                outcome = ctx.store.commit(part.part_id, ok, errors)
+                ctx.stats.add_commit(outcome.rows, errors, outcome.mine, outcome.error_rows)
+                ctx.progress.part_committed(outcome.error_rows)
+            if ctx.budget.exceeded(ctx.stats.errored_total, ctx.stats.rows_total):
                 return ExitCode.BUDGET
     finally:
         close = getattr(results, "close", None)

@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this (driver) process so far, in MiB: what a job's size must not grow."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
 
 
 def utc_now() -> str:
@@ -17,7 +27,9 @@ def utc_now() -> str:
 
 @dataclass
 class RunStats:
-    """Counts for one run; rows/parts of earlier runs are added from the output store at the start."""
+    """Counts for one run. Row and part counts grow only when a part is committed — by this run (its
+    own counts) or, racing, by another run (counted apart) — so that a summary counts only what its run
+    committed; token and engine figures count the work this run did."""
 
     rows_total: int
     parts_total: int
@@ -28,18 +40,24 @@ class RunStats:
     rows_ok: int = 0
     rows_errored: int = 0
     parts_committed: int = 0
+    parts_by_others: int = 0
+    ok_by_others: int = 0
+    errored_by_others: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     by_stage: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     engines: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0]))
     started_at: str = field(default_factory=utc_now)
     start: float = field(default_factory=time.monotonic)
+    start_epoch: float = field(default_factory=time.time)
+    first_token_epoch: float | None = None
+    first_commit: float | None = None  # time.monotonic() of this run's first commit
 
-    def add_batch(self, batch: pa.Table) -> tuple[int, int, int]:
-        """Count a batch of ENGINE_SCHEMA rows; returns (rows, errored, output tokens) for progress."""
-        names = ["__err_stage", "__err_code", "__plen", "__ntok", "__engine", "__gen_s"]
+    def add_batch(self, batch: pa.Table) -> tuple[int, int]:
+        """Count the work in a batch of ENGINE_SCHEMA rows; returns (rows, output tokens) for progress."""
+        names = ["__plen", "__ntok", "__engine", "__gen_s"]
         rows = batch.select(names).to_pylist()
-        errored = out_tokens = 0
+        out_tokens = 0
         for r in rows:
             ntok = r["__ntok"] or 0
             out_tokens += ntok
@@ -49,20 +67,40 @@ class RunStats:
                 e[1] += ntok
                 e[2] += r["__gen_s"] or 0.0
                 self.prompt_tokens += r["__plen"] or 0
-            if r["__err_stage"] is not None:
-                errored += 1
-                self.by_stage[r["__err_stage"]][r["__err_code"]] += 1
-        self.rows_errored += errored
-        self.rows_ok += len(rows) - errored
+        first = pc.min(batch.column("__t_first")).as_py() if "__t_first" in batch.schema.names else None
+        if first is not None and (self.first_token_epoch is None or first < self.first_token_epoch):
+            self.first_token_epoch = first
         self.output_tokens += out_tokens
-        return len(rows), errored, out_tokens
+        return len(rows), out_tokens
+
+    def add_commit(self, ok_rows: int, errors: pa.Table, mine: bool, error_rows: int | None = None) -> None:
+        """Count a committed part: `errors` (ERROR_SCHEMA) when this run committed it (`mine`), else the
+        winning run's counts (`ok_rows`, `error_rows`)."""
+        if not mine:
+            self.parts_by_others += 1
+            self.ok_by_others += ok_rows
+            self.errored_by_others += errors.num_rows if error_rows is None else error_rows
+            return
+        if self.first_commit is None:
+            self.first_commit = time.monotonic()
+        self.parts_committed += 1
+        self.rows_ok += ok_rows
+        self.rows_errored += errors.num_rows
+        for stage, code in zip(errors.column("stage").to_pylist(), errors.column("code").to_pylist()):
+            self.by_stage[stage][code] += 1
 
     @property
     def errored_total(self) -> int:
-        return self.errored_resumed + self.rows_errored
+        return self.errored_resumed + self.rows_errored + self.errored_by_others
 
     def error_fraction(self) -> float:
         return self.errored_total / self.rows_total if self.rows_total else 0.0
+
+    def _startup(self) -> dict[str, float | None]:
+        ttft = None if self.first_token_epoch is None else max(self.first_token_epoch - self.start_epoch, 0.0)
+        ttfc = None if self.first_commit is None else self.first_commit - self.start
+        return {"time_to_first_token_s": None if ttft is None else round(ttft, 3),
+                "time_to_first_commit_s": None if ttfc is None else round(ttfc, 3)}
 
     def summary(self, *, job: str | None, output: str, fingerprint: str | None, max_fraction: float,
                 exit_code: int) -> dict[str, Any]:
@@ -78,12 +116,14 @@ class RunStats:
             "job": job, "output": output, "fingerprint": fingerprint,
             "status": "succeeded" if exit_code == 0 else "error_budget_exceeded", "exit_code": exit_code,
             "deepinfer_version": __version__, "started_at": self.started_at, "finished_at": utc_now(),
-            "wall_seconds": round(wall, 3),
-            "rows": {"total": self.rows_total, "ok": self.ok_resumed + self.rows_ok,
+            "wall_seconds": round(wall, 3), **self._startup(), "driver_peak_rss_mb": peak_rss_mb(),
+            "rows": {"total": self.rows_total, "ok": self.ok_resumed + self.rows_ok + self.ok_by_others,
                      "errored": self.errored_total, "this_run": self.rows_ok + self.rows_errored,
                      "resumed": self.rows_resumed},
             "parts": {"total": self.parts_total, "committed_this_run": self.parts_committed,
                       "resumed": self.parts_resumed},
+            "committed_by_others": {"parts": self.parts_by_others,
+                                    "rows": self.ok_by_others + self.errored_by_others},
             "tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens,
                        "output_per_second": round(self.output_tokens / wall, 3) if wall > 0 else 0.0},
             "errors": {"fraction": round(self.error_fraction(), 6), "max_fraction": max_fraction,
@@ -109,10 +149,13 @@ def format_summary(s: dict) -> str:
         f"({rows['this_run']} this run, {rows['resumed']} resumed)",
         f"  parts     {s['parts']['committed_this_run']} committed this run, "
         f"{s['parts']['resumed']} resumed, "
-        f"{s['parts']['total']} total",
+        + (f"{s['committed_by_others']['parts']} by a racing run, "
+           if s.get("committed_by_others", {}).get("parts") else "")
+        + f"{s['parts']['total']} total",
         f"  tokens    {tok['prompt']} in, {tok['output']} out, {tok['output_per_second']:.1f} out tok/s",
         f"  errors    {err['fraction']:.2%} of rows (budget {err['max_fraction']:.2%})",
-        f"  wall time {s['wall_seconds']:.1f}s",
+        f"  wall time {s['wall_seconds']:.1f}s (first token {_secs(s.get('time_to_first_token_s'))}, "
+        f"first commit {_secs(s.get('time_to_first_commit_s'))})",
     ]
     for stage, codes in err["by_stage"].items():
         lines.append(f"    {stage}: " + ", ".join(f"{c} x{n}" for c, n in codes.items()))
@@ -120,3 +163,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  engine {e['engine']}: {e['rows']} rows, {e['output_tokens']} tokens, "
                      f"{e['output_tokens_per_second']:.1f} tok/s while busy")
     return "\n".join(lines)
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"

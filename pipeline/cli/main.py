@@ -2,7 +2,11 @@
 
 Exit codes (a contract, DESIGN.md): 0 done (errors within budget) · 2 invalid spec or usage · 3 error
 budget exceeded · 4 output path holds another job · 75 retryable failure (storage, engine, infrastructure:
-run the same command again) · 1 bug (a short message; the traceback with -v).
+run the same command again) · 1 bug (a short message; the traceback with -v, which every command has).
+
+SIGTERM is handled like Ctrl-C (SIGINT): the main thread gets a KeyboardInterrupt, the run stops
+cleanly (committed parts are kept; the lease is released on the way out) and exits 75 with one line
+instead of a stack dump, so a scheduler's kill is a retry like any other transient failure.
 
 Imports stay lazy: `validate` never imports torch or ray.
 """
@@ -10,9 +14,12 @@ Imports stay lazy: `validate` never imports torch or ray.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from deepinfer.pipeline.errors import ExitCode
 
@@ -52,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_set(p)
     p.add_argument("--print", dest="print_resolved", action="store_true",
                    help="print the resolved spec (defaults filled, paths absolute) as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
 
     p = sub.add_parser("submit", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="run a job to completion (resumes committed work by default)",
@@ -80,7 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _err(message: str) -> None:
-    print(f"deepinfer-job: {message}", file=sys.stderr)
+    from deepinfer.pipeline.spec.secrets import redact_text
+
+    print(f"deepinfer-job: {redact_text(message)}", file=sys.stderr)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered to the main thread as an interrupt (so `finally` blocks and context managers
+    release leases and engines exactly as for Ctrl-C)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def install_signal_handlers() -> None:
+    """Make SIGTERM end the run like SIGINT. Idempotent; only possible in the main thread. Ray's
+    ray.init installs its own SIGTERM handler (exit 15 with a C++ stack dump), so the driver calls this
+    again after connecting."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        # SIGINT already raises KeyboardInterrupt unless a library reset it to the C default; an ignored
+        # SIGINT (a job started in the background by a shell) stays ignored, as the shell meant.
+        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -131,22 +162,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     handlers = {"validate": cmd_validate, "submit": cmd_submit, "status": cmd_status}
     verbose = getattr(args, "verbose", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    install_signal_handlers()
     try:
         return handlers[args.command](args)
-    except KeyboardInterrupt:
-        _err("interrupted; committed parts are kept and the next submit resumes from them")
+    except KeyboardInterrupt as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        _err(f"{what}; committed parts are kept and the next submit resumes from them")
         return ExitCode.RETRY
-    except Exception as exc:
+    except Exception as exc:  # RecursionError and MemoryError included: never a traceback
         code, message = classify(exc)
         _err(message)
         if code == ExitCode.BUG:
             if verbose:
                 traceback.print_exception(exc, file=sys.stderr)
             else:
-                _err("this is a bug in deepinfer; rerun with -v for the traceback and report it")
+                _err(f"this is a bug in deepinfer; rerun `deepinfer-job {args.command}` with -v for the "
+                     "traceback and report it")
         elif verbose:
             traceback.print_exception(exc, file=sys.stderr)
         return code
+    finally:
+        # main() is also called in-process (tests, Airflow): leave the caller's handler as it was.
+        if threading.current_thread() is threading.main_thread() and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

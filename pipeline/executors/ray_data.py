@@ -1,10 +1,13 @@
-"""The Ray Data executor (the product path).
+"""The Ray Data executor (the product path). pipeline/ROWFLOW.md tells the whole row flow.
 
-Dataset plan: part descriptors -> read (task) -> prompt (task) -> tokenize + length-sort per sort window
-(actors holding the tokenizer) -> streaming repartition into engine batches -> engine (one actor per
-engine; num_gpus=1 each on GPU clusters) -> the driver, which iterates the results as they stream out and
-commits each part when its last row is back. Each engine actor has runtime.max_batches_in_flight batches
-queued so it never waits for input.
+Dataset plan, one block per part all the way: part tasks (PART_TASK_SCHEMA, one one-row block each) ->
+prepare (a task per part: read, prompt, tokenize, length-sort per sort window; fused by Ray Data) ->
+engine (an actor pool of runtime.engines actors, num_gpus=1 each on GPU clusters; each call takes one
+whole part and runs it in runtime.batch_size engine calls) -> the driver, which streams the result
+blocks with iter_batches as engines finish them and commits each part at once. Each engine actor has at
+most runtime.max_batches_in_flight parts queued, so a kill loses at most engines x that many parts, and
+the driver never holds more than the few result blocks it is committing. The actor pool starts its
+actors (and they build their models) while the first parts are read and tokenized.
 """
 
 from __future__ import annotations
@@ -14,20 +17,13 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import SpecError
-from deepinfer.pipeline.stages.plan import (
-    EngineActor,
-    StagePlan,
-    TokenizeActor,
-    part_items,
-    prompt_batch,
-    read_batch,
-)
+from deepinfer.pipeline.parts import PartTask, tasks_table
+from deepinfer.pipeline.stages.plan import EngineActor, StagePlan, prepare_batch
 
 # Light CPU stages ask for a fraction of a core so that they always fit beside the actors that hold cores.
 _LIGHT_CPUS = 0.25
@@ -121,47 +117,52 @@ def engine_count(requested: int | None, session: RaySession, use_gpu: bool) -> i
     return max(1, session.num_gpus) if use_gpu else 1
 
 
-def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession, split: bool) -> float:
+@dataclass(frozen=True)
+class EngineSettings:
+    """The runtime section's engine settings (runtime.engines, engine_cpus, max_batches_in_flight)."""
+
+    engines: int | None
+    engine_cpus: float
+    max_batches_in_flight: int
+
+
+def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession) -> float:
     """CPUs per engine actor, lowered when the actors would leave nothing for the CPU stages (which
-    would stall the pipeline forever on a small machine). The CPU stages need one read/prompt task and one
-    tokenizer actor at least, plus one whole CPU for the batch splitter when there are several engines."""
-    spare = session.num_cpus - 2 * _LIGHT_CPUS - (1.0 if split else 0.0)
-    if engines * engine_cpus <= spare:
-        return engine_cpus
-    fitted = max(spare / engines, 0.01)
-    print(f"[deepinfer] runtime.engine_cpus={engine_cpus} x {engines} engines does not fit the cluster's "
-          f"{session.num_cpus:g} CPUs beside the CPU stages; using {fitted:.2f} CPUs per engine",
-          file=sys.stderr)
-    return fitted
+    would stall the pipeline forever on a small machine): one prepare task must always fit beside them."""
+    spare = session.num_cpus - _LIGHT_CPUS
+    fitted = engine_cpus
+    if engines * engine_cpus > spare:
+        fitted = max(spare / engines, 0.01)
+        print(f"[deepinfer] runtime.engine_cpus={engine_cpus} x {engines} engines does not fit the cluster's "
+              f"{session.num_cpus:g} CPUs beside the CPU stages; using {fitted:.2f} CPUs per engine",
+              file=sys.stderr)
+    # Ray Data fuses map stages with equal resource requests; the engine must stay its own stage (else
+    # each engine actor would read and tokenize its parts itself, serially).
+    return fitted if abs(fitted - _LIGHT_CPUS) > 1e-6 else fitted * 0.99
 
 
-def run_ray(plan: StagePlan, parts: list[dict[str, Any]], session: RaySession, engines: int | None,
-            engine_cpus: float, max_batches_in_flight: int) -> Iterator[pa.Table]:
-    """Yield ENGINE_SCHEMA tables as the engines finish batches (no order guarantee)."""
+def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
+            settings: EngineSettings) -> Iterator[pa.Table]:
+    """Yield ENGINE_SCHEMA tables, one per part as a rule, as the engines finish them (no order)."""
     import ray.data
 
     if not parts:
         return
     use_gpu = uses_gpus(plan, session)
-    engines = engine_count(engines, session, use_gpu)
-    split = engines > 1
-    engine_cpus = fit_engine_cpus(engine_cpus, engines, session, split)
-    ds = ray.data.from_items(part_items(parts), override_num_blocks=len(parts))
-    ds = ds.map_batches(read_batch, fn_kwargs={"plan": plan}, batch_size=1, batch_format="pyarrow",
-                        num_cpus=_LIGHT_CPUS)
-    ds = ds.map_batches(prompt_batch, fn_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
-                        num_cpus=_LIGHT_CPUS)
-    ds = ds.map_batches(TokenizeActor, fn_constructor_kwargs={"plan": plan}, batch_size=plan.sort_window,
-                        batch_format="pyarrow", num_cpus=_LIGHT_CPUS,
-                        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, engines)))
-    if split:
-        # A sort window leaves the tokenizer as one block and Ray Data hands whole blocks to actor tasks:
-        # cut it (in order, streaming) into engine batches so that every engine gets work. (Ray runs this
-        # splitter as tasks of one CPU each; fit_engine_cpus keeps that CPU free.)
-        ds = ds.repartition(target_num_rows_per_block=plan.batch_size)
+    engines = engine_count(settings.engines, session, use_gpu)
+    engine_cpus = fit_engine_cpus(settings.engine_cpus, engines, session)
+    # One block per part, and batch_size=None below (a batch is a whole block): Ray Data then never
+    # merges parts into one task, so each part's results come back, and are committed, on their own.
+    ds = ray.data.from_arrow([tasks_table([task]) for task in parts])
+    # At most one prepare task per engine at a time: preparing a part is far cheaper than generating it,
+    # and unbounded read-ahead (4 tasks per spare CPU at 0.25 CPU each) would take the cores a CPU
+    # engine needs, delaying the first commits for work that is not needed yet.
+    ds = ds.map_batches(prepare_batch, fn_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
+                        num_cpus=_LIGHT_CPUS, concurrency=engines)
     ds = ds.map_batches(
-        EngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=plan.batch_size, batch_format="pyarrow",
+        EngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
         num_gpus=1 if use_gpu else 0, num_cpus=engine_cpus,
-        compute=ray.data.ActorPoolStrategy(size=engines, max_tasks_in_flight_per_actor=max_batches_in_flight),
+        compute=ray.data.ActorPoolStrategy(size=engines,
+                                           max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)

@@ -15,22 +15,26 @@ marker, listing the objects with row counts and sha256, by an atomic put-if-abse
 * Orphan cleanup never races a live writer (lease protocol, lease.py); ``write_success`` sweeps what is
   left once every part is committed, so a finished output holds exactly what its markers reference.
 
-Test hook: ``DEEPINFER_TEST_KILL_AT="point:n[,point:n...]"`` SIGKILLs the process (its whole process group
-when it leads one) the n-th time it reaches ``point`` (:data:`KILL_POINTS`); a no-op unless set.
+Ownership (ownership.py): ``begin`` writes only into a new or empty directory, or one that already holds
+a deepinfer job (its ``_job.json``); anything else is refused with exit 2 naming what is there, also with
+``--restart``, which deletes only what this output's own manifest lists (markers and the objects they
+reference, ``_SUCCESS``, ``_FAILED``, ``_job.json``, and orphans under deepinfer's own names).
+
+Fault injection: the protocol calls ``hooks.reached(point)`` at each of :data:`KILL_POINTS` when an
+``OutputStore`` is given a ``hooks`` object (or ``OutputStore.default_hooks`` is set, which only test
+support code does: tests/support/kill_hooks.py); without one those calls do nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import ERROR_SCHEMA, FingerprintMismatch, RetryableError
-from deepinfer.pipeline.output import storage
+from deepinfer.pipeline.output import ownership, storage
 from deepinfer.pipeline.output.encoding import EXTENSIONS, check_format, encode_table
 from deepinfer.pipeline.output.fingerprint import diff_fingerprints
 from deepinfer.pipeline.output.layout import (
@@ -45,7 +49,6 @@ from deepinfer.pipeline.output.layout import (
 from deepinfer.pipeline.output.lease import Lease, read_leases
 from deepinfer.pipeline.parts import PartSpec
 
-KILL_ENV = "DEEPINFER_TEST_KILL_AT"
 KILL_POINTS = (
     "before_part_data_written",
     "after_part_data_written",  # data objects in place, marker not yet: leaves orphans
@@ -55,7 +58,14 @@ KILL_POINTS = (
     "before_success",
 )
 JOB_RECORD_VERSION = 1
-__all__ = ["COMMITS_DIR", "KILL_ENV", "KILL_POINTS", "OutputStore", "ResumeState", "make_job_record"]
+__all__ = ["COMMITS_DIR", "KILL_POINTS", "CommitHooks", "OutputStore", "ResumeState", "make_job_record"]
+
+
+class CommitHooks(Protocol):
+    """A seam for fault injection: told each time the protocol reaches one of :data:`KILL_POINTS`."""
+
+    def reached(self, point: str) -> None:
+        """Called at `point`; may kill the process (tests do), must not change what is written."""
 
 
 def make_job_record(
@@ -97,6 +107,9 @@ class OutputStore(OutputReader):
     ``write_success`` (only when the job succeeded). Read-side methods come from OutputReader.
     """
 
+    # Fault injection for every store of the process that is given no `hooks`: None in the product.
+    default_hooks: CommitHooks | None = None
+
     def __init__(
         self,
         url: str,
@@ -104,6 +117,7 @@ class OutputStore(OutputReader):
         *,
         lease_ttl_s: float = 120.0,
         cleanup_wait_s: float = 600.0,
+        hooks: CommitHooks | None = None,
     ) -> None:
         fs, root = storage.open_fs(url, storage_options)
         super().__init__(fs, root)
@@ -113,8 +127,8 @@ class OutputStore(OutputReader):
         self._lease: Lease | None = None
         self._job: dict | None = None
         self._plan: dict[str, int] = {}
-        self._kill_at = _parse_kill_env(os.environ.get(KILL_ENV, ""))
-        self._hits: dict[str, int] = {}
+        self._hooks = hooks if hooks is not None else OutputStore.default_hooks
+        self._created_job = False  # this run wrote _job.json (so may take it back: discard_if_unstarted)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin(self, job_record: Mapping[str, Any], restart: bool = False) -> ResumeState:
@@ -130,7 +144,7 @@ class OutputStore(OutputReader):
         for key in ("fingerprint", "parts", "format"):
             if key not in record:
                 raise ValueError(f"job record lacks {key!r}; build it with make_job_record()")
-        existing = self.read_job()
+        existing = ownership.check_output(self)  # exit 2 unless the path is new, empty or this job's
         if existing is not None and not restart:
             self._check_same_job(existing, record)
             if self.is_complete():
@@ -140,14 +154,16 @@ class OutputStore(OutputReader):
         self._lease.acquire()
         try:
             restarted = False
-            if restart and (existing is not None or self.has_any_data()):
+            if restart and existing is not None:
                 if self._lease.others():
                     raise RetryableError(f"another run is live on {self.url}; cannot --restart it now")
-                for path in self.all_job_objects():
+                for path in ownership.manifest_objects(self):
                     if storage.remove(self.fs, path):
                         self._maybe_kill("during_restart")
                 existing, restarted = None, True
-            if not storage.put_if_absent(self.fs, self.path(JOB_FILE), dumps(record)):
+            if storage.put_if_absent(self.fs, self.path(JOB_FILE), dumps(record)):
+                self._created_job = True
+            else:
                 existing = self.read_job()  # a racing submit created it first
                 self._check_same_job(existing or {}, record)
             self._adopt(existing if existing is not None else record)
@@ -181,6 +197,19 @@ class OutputStore(OutputReader):
     def job(self) -> dict | None:
         """The job record in force (the existing ``_job.json`` when resuming), after ``begin``."""
         return self._job
+
+    def discard_if_unstarted(self) -> bool:
+        """Take back this run's ``_job.json`` when the job was refused before anything was committed (e.g.
+        an engine that rejects its model settings): fixing the spec and submitting again to the same output
+        path must then work, not meet a stale record of the refused spec (exit 4). True when removed."""
+        if not self._created_job or self.committed_part_ids():
+            return False
+        if self._lease is None or self._lease.others():  # a racing run adopted this record: keep it
+            return False
+        for name in (SUCCESS_FILE, ownership.FAILED_FILE, JOB_FILE):
+            storage.remove(self.fs, self.path(name))
+        self._created_job = False
+        return True
 
     def close(self) -> None:
         """Release this run's lease (idempotent). Committed parts stay committed."""
@@ -306,24 +335,7 @@ class OutputStore(OutputReader):
         """Lease records of the runs live on this output now (dead ones are removed on the way)."""
         return read_leases(self.fs, self.root, self._lease_ttl_s)
 
-    # ---- test hook ---------------------------------------------------------------------------------
+    # ---- fault injection seam -----------------------------------------------------------------------
     def _maybe_kill(self, point: str) -> None:
-        if not self._kill_at:
-            return
-        self._hits[point] = self._hits.get(point, 0) + 1
-        if self._kill_at.get(point) == self._hits[point]:
-            if os.getpgrp() == os.getpid():
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _parse_kill_env(text: str) -> dict[str, int]:
-    """``"point:n,point:n"`` -> {point: n}; ValueError naming the bad entry."""
-    out: dict[str, int] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        point, _, n = item.partition(":")
-        n = n or "1"
-        if point not in KILL_POINTS or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"{KILL_ENV}: bad entry {item!r}; expected point:n with point in {KILL_POINTS}")
-        out[point] = int(n)
-    return out
+        if self._hooks is not None:
+            self._hooks.reached(point)

@@ -18,7 +18,8 @@ human needs to see why two fingerprints differ (:func:`diff_fingerprints`):
 * ``input``: the ``input`` section minus ``path`` plus the listing: each file's path relative to the input
   root, size, row count and a content checksum (local: sha256 of the bytes; S3: the ETag);
 * ``runtime``: the ``runtime`` section minus keys that cannot change output bytes
-  (:data:`NON_SEMANTIC_RUNTIME_KEYS`: engine counts, batch sizes, the error budget, ...);
+  (:data:`NON_SEMANTIC_RUNTIME_KEYS`, read from the schema's ``"x-affects-output": false``: today every
+  runtime setting, rows_per_part included, since a resume keeps the stored part plan);
 * ``deepinfer``: the package version.
 
 Secrets never enter a fingerprint: any ``storage_options`` key is dropped wherever it appears.
@@ -36,30 +37,15 @@ from typing import Any
 
 import fsspec
 from deepinfer.pipeline.output import storage
+from deepinfer.pipeline.spec.bounds import keys_not_affecting_output
+from deepinfer.pipeline.spec.schema import load_schema
 from deepinfer.pipeline.version import __version__
 
 FINGERPRINT_VERSION = 1
-NON_SEMANTIC_RUNTIME_KEYS = frozenset(
-    {
-        "engines",
-        "num_engines",
-        "num_gpus",
-        "gpus_per_engine",
-        "batch_size",
-        "read_batch_size",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_error_fraction",
-        "executor",
-        "ray_address",
-        "concurrency",
-        "num_cpus",
-        "progress",
-        "log_level",
-        "gpu_memory_utilization",
-        "max_engine_restarts",
-    }
-)
+# Which runtime settings cannot change output bytes is declared once, in the schema: each such property
+# carries "x-affects-output": false (schemas/job.schema.json), so a new setting is classified where it is
+# defined, and a resume may change exactly those.
+NON_SEMANTIC_RUNTIME_KEYS = keys_not_affecting_output(load_schema(), "runtime")
 _DROPPED_KEYS = frozenset({"storage_options"})
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 TOKENIZER_FILES = (

@@ -1,15 +1,27 @@
-"""The driver's view of the output store: fingerprint + job record, resume state, commits, _SUCCESS.
+"""The driver's view of the output store: fingerprint + job record, resume state, commits, _SUCCESS,
+and the `_FAILED` record of a run that stopped with a non-zero exit code.
 
 Wraps the commit protocol (commit.OutputStore, fingerprint.job_fingerprint) with what the driver knows:
 the validated spec, the input listing and the resolved model directory. The spec recorded in _job.json
 has secret-looking storage options redacted (the spec validator already refuses credentials there).
+
+`_FAILED` (``{"exit_code", "reason", "message", "finished_at", "parts_committed"}``) is written by a driver
+that exits non-zero after opening the output, and removed by the next run when it starts and again before
+``_SUCCESS`` (a racing run may have failed meanwhile): `status` reads it to say *failed* rather than
+*interrupted*. A SIGKILLed driver writes nothing, which is what *interrupted* means.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import pyarrow as pa
+from deepinfer.pipeline.errors import ExitCode, RetryableStorageError
+from deepinfer.pipeline.output import status, storage
 from deepinfer.pipeline.output.commit import OutputStore, ResumeState, make_job_record
 from deepinfer.pipeline.output.fingerprint import canonical_json, describe_inputs, job_fingerprint
+from deepinfer.pipeline.output.layout import dumps
 from deepinfer.pipeline.output.storage import sha256_hex
 from deepinfer.pipeline.parts import PartSpec
 from deepinfer.pipeline.spec.load import JobSpec, redact
@@ -18,6 +30,31 @@ from deepinfer.pipeline.stages.read import InputFile, filesystem
 # Runtime settings of this pipeline that cannot change output bytes, besides those the fingerprint module
 # already ignores: a resume may change them freely.
 EXTRA_NON_SEMANTIC_RUNTIME = ("sort_window", "engine_cpus", "max_batches_in_flight")
+FAILED_FILE = status.FAILED_FILE
+_REASONS = {ExitCode.BUDGET: "error_budget", ExitCode.USAGE: "spec", ExitCode.OTHER_JOB: "other_job",
+            ExitCode.RETRY: "transient", ExitCode.BUG: "bug"}
+
+
+def failure_reason(exit_code: int, exc: BaseException | None = None) -> str:
+    """A one-word cause for `_FAILED`: error_budget, spec, storage, transient, other_job or bug."""
+    seen = exc
+    while seen is not None:  # storage failures are retryable ones; name them, they are fixed elsewhere
+        if isinstance(seen, RetryableStorageError):
+            return "storage"
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return _REASONS.get(ExitCode(exit_code), "bug")
+    except ValueError:  # not one of the contract's codes
+        return "bug"
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """What committing one part did: `mine` when this run's marker won; else the winner's counts."""
+
+    mine: bool
+    rows: int
+    error_rows: int
 
 
 def fingerprint_document(document: dict) -> dict:
@@ -62,11 +99,29 @@ class JobStore:
         success = self.store.read_success()
         return success.get("summary") if isinstance(success, dict) else None
 
-    def commit(self, part_id: str, rows: pa.Table, errors: pa.Table) -> bool:
-        return self.store.commit_part(part_id, rows, errors, self.format)
+    def commit(self, part_id: str, rows: pa.Table, errors: pa.Table) -> CommitOutcome:
+        """Commit a part exactly once; a racing run that committed it first keeps it (and its counts)."""
+        if self.store.commit_part(part_id, rows, errors, self.format):
+            return CommitOutcome(True, rows.num_rows, errors.num_rows)
+        marker = self.store.read_marker(part_id) or {}
+        return CommitOutcome(False, int(marker.get("rows", rows.num_rows)),
+                             int(marker.get("error_rows", errors.num_rows)))
 
     def write_success(self, summary: dict) -> None:
+        self.clear_failure()
         self.store.write_success(summary)
+
+    def record_failure(self, exit_code: int, reason: str, message: str, finished_at: str,
+                       parts_committed: int) -> None:
+        """Write `_FAILED` for a run ending with `exit_code`; never raises (the run's own error matters)."""
+        record = {"exit_code": int(exit_code), "reason": reason, "message": message[:2000],
+                  "finished_at": finished_at, "parts_committed": parts_committed}
+        with contextlib.suppress(Exception):
+            storage.write_atomic(self.store.fs, self.store.path(FAILED_FILE), dumps(record))
+
+    def clear_failure(self) -> None:
+        """Remove an earlier run's `_FAILED` (this run is live now, or the job just succeeded)."""
+        storage.remove(self.store.fs, self.store.path(FAILED_FILE))
 
     def close(self) -> None:
         self.store.close()

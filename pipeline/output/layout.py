@@ -128,7 +128,8 @@ class OutputReader:
 
     def find_orphans(self) -> list[str]:
         """Objects no marker references: data of uncommitted parts, extra objects of committed parts (a
-        losing racer's, when outputs were not deterministic), and temp files of dead local writers."""
+        losing racer's, when outputs were not deterministic), and temp files of dead local writers. Only
+        deepinfer's own names are candidates (storage.is_data_name): a user's file is never an orphan."""
         committed = self.committed_part_ids()
         out: list[str] = []
         for directory in (PARTS_DIR, ERRORS_DIR, COMMITS_DIR, ""):
@@ -140,7 +141,7 @@ class OutputReader:
                     if process_alive(tmp[0], tmp[1]) is False:
                         out.append(self.path(directory, name) if directory else self.path(name))
                     continue
-                if directory in (PARTS_DIR, ERRORS_DIR) and is_part_id(name[:PART_ID_LEN]):
+                if directory in (PARTS_DIR, ERRORS_DIR) and storage.is_data_name(name):
                     per_part.setdefault(name[:PART_ID_LEN], []).append(name)
             for part_id, part_names in sorted(per_part.items()):
                 if part_id not in committed:
@@ -153,10 +154,3 @@ class OutputReader:
 
     def has_any_data(self) -> bool:
         return any(storage.list_names(self.fs, self.path(d)) for d in (PARTS_DIR, ERRORS_DIR, COMMITS_DIR))
-
-    def all_job_objects(self) -> list[str]:
-        """What --restart deletes, in a kill-safe order: _SUCCESS, markers (un-commit), data, _job.json."""
-        paths = [self.path(SUCCESS_FILE)]
-        for directory in (COMMITS_DIR, PARTS_DIR, ERRORS_DIR):
-            paths += [self.path(directory, n) for n in storage.list_names(self.fs, self.path(directory))]
-        return paths + [self.path(JOB_FILE)]

@@ -1,7 +1,12 @@
-"""Progress of a job output, read from its commit markers only (never from data listings).
+"""Progress and state of a job output, read from its commit markers, leases and run records only.
 
 ``deepinfer-job status OUTPUT_PATH|SPEC.yaml [--json]`` prints :func:`render_status` of :func:`job_status`.
 Reading status never writes to the output (dead leases are left for the next run to remove).
+
+States: ``empty`` (no ``_job.json``), ``complete`` (``_SUCCESS``), ``running`` (a live run lease),
+``failed`` (the last run exited non-zero and wrote ``_FAILED``: exit code, reason, message), else
+``interrupted`` (no live run, not complete, no failure recorded: killed or lost; a submit resumes it).
+Counts come from the commit markers, so they grow part by part while a run commits.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import yaml
 from deepinfer.pipeline.output import storage
 from deepinfer.pipeline.output.layout import COMMITS_DIR, JOB_FILE, OutputReader
 from deepinfer.pipeline.output.lease import LEASE_DIR, process_alive
+
+STATES = ("empty", "running", "complete", "failed", "interrupted")
+# Written by the driver (output/job_store.py); named here too so that status imports nothing heavy.
+FAILED_FILE = "_FAILED"
 
 
 def _output_url(target: str) -> str:
@@ -50,12 +59,22 @@ def _live_runs(store: OutputReader, ttl_s: float = 120.0) -> int:
     return count
 
 
+def _read_failure(store: OutputReader) -> dict[str, Any] | None:
+    data = storage.read_bytes(store.fs, store.path(FAILED_FILE))
+    try:
+        record = json.loads(data) if data else None
+    except ValueError:  # a torn or foreign file: report the job as failed, cause unknown
+        record = {"exit_code": None, "reason": "unknown", "message": f"unreadable {FAILED_FILE}"}
+    return record if isinstance(record, dict) else None
+
+
 def job_status(target: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Status of the output at ``target`` (an output path/URL, or a job spec YAML naming one).
 
-    Keys: output, state ("empty" | "in_progress" | "complete"), job_fingerprint (sha256 of the fingerprint,
-    or None), total_parts, total_rows, committed_parts, committed_rows, error_rows, error_codes
-    (code -> count), complete, live_runs, summary (the _SUCCESS record, or None).
+    Keys: output, state (one of :data:`STATES`), job_fingerprint (sha256 of the fingerprint, or None),
+    total_parts, total_rows, committed_parts, committed_rows, error_rows, error_codes (code -> count),
+    complete, live_runs, failure (the ``_FAILED`` record: exit_code, reason, message, finished_at,
+    parts_committed; or None), summary (the _SUCCESS record, or None).
     """
     url = _output_url(target)
     store = OutputReader(*storage.open_fs(url, storage_options))
@@ -72,9 +91,19 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
 
         fp = storage.sha256_hex(canonical_json(job.get("fingerprint")))
     complete = success is not None
+    live = _live_runs(store) if job is not None else 0
+    failure = _read_failure(store) if job is not None and not complete else None
+    if job is None:
+        state = "empty"
+    elif complete:
+        state = "complete"
+    elif live:
+        state = "running"  # a live run wins over an old _FAILED: that run removes it when it starts
+    else:
+        state = "failed" if failure is not None else "interrupted"
     return {
         "output": url,
-        "state": "complete" if complete else "in_progress" if job is not None else "empty",
+        "state": state,
         "job_fingerprint": fp,
         "total_parts": int(job["num_parts"]) if job else 0,
         "total_rows": int(job["num_rows"]) if job else 0,
@@ -83,7 +112,8 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
         "error_rows": sum(int(m.get("error_rows", 0)) for m in markers.values()),
         "error_codes": dict(sorted(codes.items())),
         "complete": complete,
-        "live_runs": _live_runs(store) if job is not None else 0,
+        "live_runs": live,
+        "failure": failure if state == "failed" else None,
         "summary": success,
     }
 
@@ -96,10 +126,15 @@ def render_status(status: dict[str, Any]) -> str:
     total_r = status["total_rows"]
     done_r = status["committed_rows"] + status["error_rows"]
     pct = 100.0 * done_r / total_r if total_r else 100.0
+    state = status["state"]
+    if state == "failed" and status.get("failure"):
+        fail = status["failure"]
+        state += f" (exit {fail.get('exit_code')}, {fail.get('reason')}): {fail.get('message', '')}"
+    elif state == "interrupted":
+        state += " (no live run; submit again to resume)"
     lines = [
         f"output:   {status['output']}",
-        f"state:    {status['state']}"
-        + (f" ({status['live_runs']} run(s) live)" if status["live_runs"] else ""),
+        f"state:    {state}" + (f" ({status['live_runs']} run(s) live)" if status["live_runs"] else ""),
         f"parts:    {done_p}/{total_p} committed (markers in {COMMITS_DIR}/)",
         f"rows:     {done_r}/{total_r} done ({pct:.1f}%): {status['committed_rows']} results, "
         f"{status['error_rows']} quarantined",

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import socket
 import uuid
 from collections.abc import Iterator
@@ -123,6 +124,15 @@ def temp_name_for(final_path: str) -> str:
     head, _, name = final_path.rpartition("/")
     tmp = f"{TEMP_PREFIX}{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
     return f"{head}/{tmp}" if head else tmp
+
+
+_DATA_NAME = re.compile(r"^\d{5}-\d{10}-[0-9a-f]{16}\.(?:parquet|jsonl)$")
+
+
+def is_data_name(name: str) -> bool:
+    """Whether `name` is one of deepinfer's data object names, ``{part_id}-{sha16}.{ext}``: the only names
+    under parts/ and errors/ that cleanup and --restart may delete."""
+    return bool(_DATA_NAME.match(name))
 
 
 def parse_temp_name(name: str) -> tuple[str, int] | None:

@@ -1,28 +1,32 @@
 """Job specs: YAML -> validated, defaults-filled, frozen `JobSpec`.
 
 `load_spec(path, overrides)` is what the CLI calls. Order of operations:
-1. the YAML file is parsed with yaml.safe_load;
+1. the file (at most MAX_SPEC_BYTES, UTF-8) is parsed by safe_yaml.load_spec_text, which bounds depth,
+   alias expansion and size and refuses tags, non-string keys, NaN/inf and duplicate keys;
 2. relative local paths in it (model.path, input.path, output.path) are made absolute against the spec
    file's directory, so a spec works from any working directory;
-3. `--set a.b=value` overrides are applied (value parsed as YAML, intermediate mappings created); paths
-   given this way are relative to the current directory, like any command-line path;
-4. the document is validated against schemas/job.schema.json (defaults filled in), then the checks the
-   schema cannot express (output_schema is itself a valid JSON Schema, template syntax, column clashes).
+3. `--set a.b=value` overrides are applied (value parsed by safe_yaml.parse_override, intermediate mappings
+   created); paths given this way are relative to the current directory, like any command-line path;
+4. the document is validated against schemas/job.schema.json (bounds first, then defaults filled in), then
+   the checks the schema cannot express (output_schema is itself a valid JSON Schema, the templates
+   compile in the sandbox with known filters and tests, column clashes, storage options are an allow-list
+   of non-secret settings, output.path is not a root and does not overlap the input).
 Every problem raises SpecError naming the field. Nothing here imports torch or ray.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from deepinfer.pipeline.spec.bounds import more_nodes_than
+from deepinfer.pipeline.spec.paths import output_path_problems
+from deepinfer.pipeline.spec.safe_yaml import SpecSyntaxError, load_spec_text, parse_override, short
 from deepinfer.pipeline.spec.schema import SpecError, validate_document
+from deepinfer.pipeline.spec.secrets import looks_secret, redact, storage_option_problems, url_problems
 
 PATH_FIELDS = (("model", "path"), ("input", "path"), ("output", "path"))
 # Output columns the pipeline writes itself; output_schema properties and kept columns may not reuse them.
@@ -30,39 +34,14 @@ RESERVED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "
 DEFAULT_ID_COLUMN = "id"
 
 
-SECRET_WORDS = ("secret", "password", "passwd", "credential", "credentials")
-SECRET_PARTS = ("access_key", "key_id", "api_key", "private_key")
-
-
-def looks_secret(key: str) -> bool:
-    """True for option names that hold credentials (secret, aws_access_key_id, session_token, ...).
-
-    Sampling names such as max_tokens or stop_token_ids are not secrets: "token" counts only as the
-    last word of the name.
-    """
-    k = key.lower()
-    words = re.split(r"[^a-z0-9]+", k)
-    return (k == "key" or words[-1] == "token" or any(w in SECRET_WORDS for w in words)
-            or any(p in k for p in SECRET_PARTS))
-
-
-def redact(value: Any) -> Any:
-    """A copy of `value` with secret-looking mapping keys' values replaced by '<redacted>'."""
-    if isinstance(value, dict):
-        return {k: "<redacted>" if looks_secret(str(k)) else redact(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    return value
-
-
-def _secret_paths(value: Any, path: str) -> list[str]:
-    if not isinstance(value, dict):
-        return []
-    out = []
-    for k, v in value.items():
-        sub = f"{path}.{k}"
-        out += [sub] if looks_secret(str(k)) else _secret_paths(v, sub)
-    return out
+# Kept importable from here: the secret rule lives in secrets.py.
+__all__ = ["JobSpec", "SpecError", "apply_override", "load_document", "load_spec", "looks_secret", "redact"]
+MAX_SPEC_BYTES = 1_000_000
+# Real specs hold well under a thousand values; 20,000 leaves room for large output_schemas while
+# keeping the worst case (parse, bounds walk, schema validation) far below validate's 2 s budget.
+MAX_SPEC_NODES = 20_000
+MAX_KEY_PARTS = 16
+MAX_OUTPUT_SCHEMA_NODES = 5000
 
 
 def is_remote(path: str) -> bool:
@@ -89,15 +68,15 @@ def _resolve_paths(doc: dict, base: Path, only: set[tuple[str, str]] | None = No
 def apply_override(doc: dict, assignment: str) -> tuple[str, ...]:
     """Apply one `a.b.c=value` override in place (value parsed as YAML); returns the key path."""
     if "=" not in assignment:
-        raise SpecError([f"--set {assignment!r}: expected KEY=VALUE, e.g. --set input.path=data/"])
+        raise SpecError([f"--set {short(assignment)}: expected KEY=VALUE, e.g. --set input.path=data/"])
     key, _, raw = assignment.partition("=")
     parts = tuple(p.strip() for p in key.split("."))
-    if not key.strip() or any(not p for p in parts):
-        raise SpecError([f"--set {assignment!r}: the key must be a dotted field path like output.path"])
+    if not key.strip() or any(not p for p in parts) or len(parts) > MAX_KEY_PARTS or len(key) > 500:
+        raise SpecError([f"--set {short(assignment)}: the key must be a dotted field path like output.path"])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise SpecError([f"--set {key}: the value is not valid YAML ({exc.__class__.__name__})"]) from None
+        value = parse_override(raw, key.strip())
+    except SpecSyntaxError as exc:
+        raise SpecError([str(exc)]) from None
     node: Any = doc
     for i, name in enumerate(parts[:-1]):
         child = node.get(name)
@@ -136,6 +115,7 @@ class InputSpec:
     format: str
     id_column: str | None
     storage_options: dict = field(default_factory=dict)
+    on_bad_file: str = "fail"
 
 
 @dataclass(frozen=True)
@@ -267,34 +247,39 @@ def _semantic_checks(doc: dict) -> None:
         problems.append("prompt.system: only used in chat mode; remove it or set prompt.mode: chat")
     problems += _template_problems(doc["prompt"])
     for section in ("input", "output"):
-        for where in _secret_paths(doc[section]["storage_options"], f"{section}.storage_options"):
-            problems.append(f"{where}: credentials do not belong in a job spec (it is recorded in "
-                            "_job.json); "
-                            "use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE in the environment")
+        problems += storage_option_problems(doc[section]["storage_options"], f"{section}.storage_options")
+        problems += url_problems(doc[section]["path"], f"{section}.path")
+    problems += url_problems(model["path"], "model.path") + url_problems(model["name"], "model.name")
     try:
         _dt.date.fromisoformat(doc["prompt"]["chat_date"])
     except ValueError:
-        problems.append(f"prompt.chat_date: {doc['prompt']['chat_date']!r} is not a real date (YYYY-MM-DD)")
+        problems.append(f"prompt.chat_date: {short(doc['prompt']['chat_date'])} is not a real date "
+                        "(YYYY-MM-DD)")
     id_column = doc["input"]["id_column"] or DEFAULT_ID_COLUMN
     taken = {*RESERVED_COLUMNS, id_column}
     for col in doc["output"]["keep_columns"]:
         if col in RESERVED_COLUMNS:
-            problems.append(f"output.keep_columns: {col!r} clashes with an output column the pipeline writes "
-                            f"({', '.join(RESERVED_COLUMNS)})")
+            problems.append(f"output.keep_columns: {short(col)} clashes with an output column the pipeline "
+                            f"writes ({', '.join(RESERVED_COLUMNS)})")
     schema = doc["output_schema"]
-    if schema is not None:
+    if schema is not None and more_nodes_than(schema, MAX_OUTPUT_SCHEMA_NODES):
+        # Compiling a grammar is super-linear in the schema; real constraint schemas are far smaller.
+        problems.append(f"output_schema: more than {MAX_OUTPUT_SCHEMA_NODES:,} values; constraint schemas "
+                        "are limited to that size")
+    elif schema is not None:
         from deepinfer.pipeline.spec.output_columns import schema_problems
 
         problems += schema_problems(schema, taken | set(doc["output"]["keep_columns"]))
-    if not is_remote(doc["input"]["path"]) and not is_remote(doc["output"]["path"]):
-        if os.path.normpath(doc["input"]["path"]) == os.path.normpath(doc["output"]["path"]):
-            problems.append("output.path: must differ from input.path")
+    problems += output_path_problems(doc["output"]["path"], doc["input"]["path"])
     if problems:
         raise SpecError(problems)
 
 
 def _template_problems(prompt: dict) -> list[str]:
-    from jinja2 import TemplateSyntaxError
+    """Compile each template in the sandbox the prompt stage uses, so that an unknown filter or test
+    (TemplateAssertionError), a syntax error, or a template nested too deep to compile is reported by
+    validate, not by every row of a submitted job."""
+    from jinja2 import TemplateAssertionError, TemplateError, TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment()
@@ -304,32 +289,54 @@ def _template_problems(prompt: dict) -> list[str]:
         if source is None:
             continue
         try:
-            env.parse(source)
+            env.from_string(source)
+            problems += _unknown_names(env, env.parse(source), f"prompt.{key}")
+        except TemplateAssertionError as exc:  # an unknown filter or test: compiles only once fixed
+            problems.append(f"prompt.{key}: line {exc.lineno}: {short(exc.message or str(exc), 200)}")
         except TemplateSyntaxError as exc:
-            problems.append(f"prompt.{key}: template syntax error on line {exc.lineno}: {exc.message}")
+            problems.append(f"prompt.{key}: template syntax error on line {exc.lineno}: "
+                            f"{short(exc.message, 200)}")
+        except TemplateError as exc:
+            problems.append(f"prompt.{key}: template does not compile: {short(str(exc), 200)}")
+        except (RecursionError, MemoryError):
+            problems.append(f"prompt.{key}: the template is nested too deeply to compile")
     return problems
+
+
+def _unknown_names(env: Any, tree: Any, where: str) -> list[str]:
+    """Filters and tests the sandbox does not have. Jinja defers these to render time when they sit in a
+    conditional branch ({% if x is nosuchtest %}), which would fail every row; the parsed tree names them."""
+    from jinja2 import nodes
+
+    problems = []
+    for node in tree.find_all((nodes.Filter, nodes.Test)):
+        known, kind = (env.filters, "filter") if isinstance(node, nodes.Filter) else (env.tests, "test")
+        if node.name not in known:
+            problems.append(f"{where}: line {node.lineno}: no {kind} named {short(node.name, 40)}")
+    return sorted(set(problems))
 
 
 def load_document(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Read a YAML spec, resolve its relative paths, apply `--set` overrides (not yet validated)."""
     spec_path = Path(path)
     try:
-        text = spec_path.read_text(encoding="utf-8")
+        size = spec_path.stat().st_size
+        if size > MAX_SPEC_BYTES:  # refused before reading: a 60 MB spec costs nothing
+            raise SpecError([f"{short(str(path))} is {size:,} bytes; specs are limited to "
+                             f"{MAX_SPEC_BYTES:,} bytes"])
+        with open(spec_path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         raise SpecError([f"{path}: no such spec file"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory, not a spec file"]) from None
     except OSError as exc:
         raise SpecError([f"{path}: cannot read the spec file ({exc.strerror or exc})"]) from None
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError([f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise SpecError([f"{path}: the spec must be a YAML mapping of sections, got {type(doc).__name__}"])
-    doc = copy.deepcopy(doc)
+        doc = load_spec_text(data, str(path), max_bytes=MAX_SPEC_BYTES, max_nodes=MAX_SPEC_NODES)
+    except SpecSyntaxError as exc:
+        raise SpecError([str(exc)]) from None
+    assert isinstance(doc, dict)  # load_spec_text returns a fresh mapping (or raises)
     _resolve_paths(doc, spec_path.resolve().parent)
     for assignment in overrides:
         keys = apply_override(doc, assignment)

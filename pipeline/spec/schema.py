@@ -15,6 +15,10 @@ from importlib import resources
 from typing import Any
 
 from deepinfer.pipeline.errors import SpecError
+from deepinfer.pipeline.spec.bounds import coerce_integers, structure_problems
+from deepinfer.pipeline.spec.yaml_common import short
+
+MAX_LINE_CHARS = 400
 
 
 @cache
@@ -65,8 +69,12 @@ def _format_error(error, schema: dict) -> list[str]:
         return lines
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
-        unknown = sorted(k for k in error.instance if k not in error.schema.get("properties", {}))
-        return [f"{_field([*path, k])}: unknown field (allowed here: {', '.join(allowed)})" for k in unknown]
+        unknown = sorted(str(k) for k in error.instance if k not in error.schema.get("properties", {}))
+        lines = [f"{_field([*path, short(k, 40) if len(k) > 40 else k])}: unknown field (allowed here: "
+                 f"{', '.join(allowed)})" for k in unknown[:10]]
+        if len(unknown) > 10:
+            lines.append(f"{_field(path)}: ... and {len(unknown) - 10:,} more unknown fields")
+        return lines
     hint = ""
     description = error.schema.get("description") if isinstance(error.schema, dict) else None
     if description is None and path:
@@ -74,7 +82,22 @@ def _format_error(error, schema: dict) -> list[str]:
         description = (sub or {}).get("description")
     if description:
         hint = f" (expected: {description})"
-    return [f"{_field(path)}: {error.message}{hint}"]
+    return [_bounded(f"{_field(path)}: {_message(error)}{hint}")]
+
+
+def _message(error) -> str:
+    """jsonschema's message with the offending value quoted by a short prefix only (its message embeds
+    the whole repr, which for a 200 KB string would be a 200 KB line)."""
+    message = error.message
+    if len(message) > 200:
+        text = repr(error.instance)
+        if text in message:
+            message = message.replace(text, short(error.instance), 1)
+    return message
+
+
+def _bounded(line: str) -> str:
+    return line if len(line) <= MAX_LINE_CHARS else line[: MAX_LINE_CHARS - 1] + "…"
 
 
 def validate_document(doc: Any) -> dict:
@@ -85,9 +108,13 @@ def validate_document(doc: Any) -> dict:
     schema = load_schema()
     if not isinstance(doc, dict):
         raise SpecError([f"(top level): the spec must be a mapping of sections, got {type(doc).__name__}"])
+    # Bounds, keys and finiteness first, without jsonschema: a document that fails them could make it
+    # slow (uniqueItems is quadratic on unsortable lists) or crash its error formatting.
+    problems = structure_problems(doc, schema)
+    if problems:
+        raise SpecError(problems)
     filled = copy.deepcopy(doc)
     validator = _validator_with_defaults()(schema)
-    problems: list[str] = []
     errors = sorted(validator.iter_errors(filled), key=lambda e: [str(p) for p in e.absolute_path])
     for error in errors:
         for line in _format_error(error, schema):
@@ -95,4 +122,5 @@ def validate_document(doc: Any) -> dict:
                 problems.append(line)
     if problems:
         raise SpecError(problems)
+    coerce_integers(filled, schema)
     return filled

@@ -7,6 +7,11 @@ always give the same tables, hence the same file bytes.
 Output row columns, in order: the id column, text, finish_reason, prompt_tokens, output_tokens, seed, the
 kept input columns, then with an output_schema `json` (canonical JSON text) and one typed column per
 top-level property. Error rows (errors.ERROR_SCHEMA): id, stage, code, message.
+
+Ids: a row id is compared (duplicates, seeds) in its canonical text form, so 7 and "7" are one id. The
+output id column keeps an integer or string type only where the whole input agrees on it (Parquet files
+with one id type); JSONL input, which has no schema, and mixed types always get a string column, so the
+column's type never depends on which rows a part happens to hold.
 """
 
 from __future__ import annotations
@@ -15,22 +20,42 @@ import json
 from typing import Any
 
 import pyarrow as pa
-from deepinfer.pipeline.errors import ERROR_SCHEMA, MAX_MESSAGE_CHARS
+from deepinfer.pipeline.errors import ERROR_SCHEMA, MAX_MESSAGE_CHARS, InputError
 from deepinfer.pipeline.spec.output_columns import arrow_type, column_kinds, column_value
 from deepinfer.pipeline.stages import columns as C
 
+_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
+                 OverflowError)
+
+
+def _as_text(values: list[Any]) -> pa.Array:
+    """The last resort for values of mixed types: strings as they are, anything else as JSON text."""
+    return pa.array([v if v is None or isinstance(v, str) else C.dumps(v) for v in values], type=pa.string())
+
 
 def _typed_array(values: list[Any], type_: pa.DataType | None) -> pa.Array:
-    """Values as an array of `type_` when given (falling back to inference when they do not fit)."""
-    if type_ is None:
-        return pa.array(values)
+    """Values as an array of `type_` when given (falling back to inference, then to text, when they do
+    not fit: a part must always be assemblable, whatever mix of types its rows hold)."""
+    if type_ is not None:
+        try:
+            return pa.array(values, type=type_)
+        except _ARROW_ERRORS:
+            try:  # ISO datetimes / decimal strings carried as JSON text
+                return pa.array(values).cast(type_)
+            except _ARROW_ERRORS:
+                pass
     try:
-        return pa.array(values, type=type_)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
-        try:  # ISO datetimes / decimal strings carried as JSON text
-            return pa.array(values).cast(type_)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            return pa.array(values)
+        return pa.array(values)
+    except _ARROW_ERRORS:
+        return _as_text(values)
+
+
+def id_type(found: pa.DataType | None) -> pa.DataType:
+    """The output id column's type: an integer or string type the whole input agrees on, else string."""
+    if found is not None and (pa.types.is_integer(found) or pa.types.is_string(found)
+                              or pa.types.is_large_string(found)):
+        return found
+    return pa.string()
 
 
 class PartAssembler:
@@ -40,8 +65,7 @@ class PartAssembler:
                  output_schema: dict | None, keep_types: dict[str, pa.DataType] | None = None) -> None:
         self.id_column, self.keep = id_column, keep_columns
         self.keep_types = dict(keep_types or {})
-        if derived_id:
-            self.keep_types[id_column] = pa.string()
+        self.keep_types[id_column] = pa.string() if derived_id else id_type(self.keep_types.get(id_column))
         self.schema_kinds = column_kinds(output_schema) if output_schema is not None else None
 
     def build(self, results: pa.Table) -> tuple[pa.Table, pa.Table]:
@@ -62,8 +86,11 @@ class PartAssembler:
     def _rows_table(self, ok: list[dict]) -> pa.Table:
         kept = [C.loads(r["__keep"]) for r in ok]
         names: list[str] = [self.id_column]
-        arrays: list[pa.Array] = [_typed_array([k.get(self.id_column) for k in kept],
-                                               self.keep_types.get(self.id_column))]
+        ids = [k.get(self.id_column) for k in kept]
+        id_type_ = self.keep_types[self.id_column]
+        if pa.types.is_string(id_type_) or pa.types.is_large_string(id_type_):
+            ids = [None if v is None else str(v) for v in ids]  # the canonical text form
+        arrays: list[pa.Array] = [_typed_array(ids, id_type_)]
         fixed = [("text", "__text", pa.string()), ("finish_reason", "__finish", pa.string()),
                  ("prompt_tokens", "__plen", pa.int64()), ("output_tokens", "__ntok", pa.int64()),
                  ("seed", "__seed", pa.int64())]
@@ -93,7 +120,12 @@ def keep_types_from_parquet(urls: list[str], columns: list[str], storage_options
 
     if not columns:
         return {}
-    schemas = [parquet_schema(u, storage_options) for u in urls]
+    schemas = []
+    for u in urls:
+        try:
+            schemas.append(parquet_schema(u, storage_options))
+        except InputError:  # on_bad_file: quarantine listed it; its rows become BAD_FILE errors
+            continue
     types: dict[str, pa.DataType] = {}
     for col in columns:
         fields = [s.field(col) for s in schemas if col in s.names]
@@ -108,12 +140,13 @@ def keep_types_from_parquet(urls: list[str], columns: list[str], storage_options
 
 
 def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: dict | None,
-                          sample_rows: int = 1000) -> dict[str, pa.DataType]:
+                          sample_rows: int = 1000, id_column: str | None = None) -> dict[str, pa.DataType]:
     """Arrow types for kept JSONL columns, inferred once from the input's first `sample_rows` rows.
 
     JSON has no schema, so the job fixes one from a sample that depends only on the input: every part
     (also an empty one, also on resume) then gets the same column types. Columns that are null throughout
-    the sample are strings; values that do not fit the type fall back to inference for their part.
+    the sample are strings; values that do not fit the type fall back to inference for their part. The id
+    column is always a string column: a sample cannot promise that no later row has a string id.
     """
     from deepinfer.pipeline.stages.read import read_rows
 
@@ -125,6 +158,8 @@ def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: di
         take = min(f.num_rows, sample_rows - seen)
         if take <= 0:
             break
+        if getattr(f, "bad", None):  # an unreadable file (on_bad_file: quarantine) has no values
+            continue
         for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0)):
             for c in columns:
                 values[c].append(row.get(c) if row is not None else None)
@@ -133,7 +168,7 @@ def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: di
     for c, vals in values.items():
         try:
             type_ = pa.array(vals).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
+        except _ARROW_ERRORS:
             type_ = pa.string()
-        types[c] = pa.string() if pa.types.is_null(type_) else type_
+        types[c] = pa.string() if pa.types.is_null(type_) or c == id_column else type_
     return types

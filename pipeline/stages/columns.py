@@ -30,6 +30,9 @@ ENGINE_SCHEMA = pa.schema([
     *LOCATION, ("__row_id", pa.string()), ("__keep", pa.string()), *ERROR, ("__plen", pa.int32()),
     ("__text", pa.string()), ("__finish", pa.string()), ("__ntok", pa.int32()), ("__seed", pa.int64()),
     ("__json", pa.string()), ("__engine", pa.string()), ("__gen_s", pa.float64()),
+    # Wall-clock (epoch) time the row's engine sampled its first token of the run: the summary's
+    # time_to_first_token_s, measured where it happens (an engine actor) and carried back with the rows.
+    ("__t_first", pa.float64()),
 ])
 
 

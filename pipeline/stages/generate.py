@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +35,32 @@ def _validate_output(text: str, finish: str, validator) -> tuple[str | None, tup
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")), None
 
 
+# Test hook: with this set to 1 in the submitting process, engines are StubLLMs (no model, no torch), so
+# tests can push many rows through the real driver, stages and commits in seconds. A no-op unless set.
+STUB_ENGINE_ENV = "DEEPINFER_TEST_STUB_ENGINE"
+
+
+def _load_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
+    from deepinfer.engine import LLM
+
+    return LLM(model=model_ref, **engine_kwargs)
+
+
+@dataclass(frozen=True)
+class _StubOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+class StubLLM:
+    """A stand-in engine for tests (STUB_ENGINE_ENV): one deterministic token per row, from its seed."""
+
+    def generate(self, prompts: list[list[int]], params: list[Any], use_tqdm: bool = False
+                 ) -> list[_StubOutput]:
+        return [_StubOutput(f"stub-{sp.seed % 1000:03d}", [sp.seed % 1000], "length") for sp in params]
+
+
 class EngineStage:
     """Ray Data actor stage (and local-executor callable) holding one LLM.
 
@@ -43,12 +70,11 @@ class EngineStage:
     """
 
     def __init__(self, model_ref: str, engine_kwargs: dict[str, Any], sampling_kwargs: dict[str, Any],
-                 job_seed: int, output_schema: dict | None) -> None:
-        from deepinfer.engine import LLM
+                 job_seed: int, output_schema: dict | None, stub: bool = False) -> None:
         from deepinfer.pipeline.errors import SpecError
 
         try:
-            self.llm = LLM(model=model_ref, **engine_kwargs)
+            self.llm = StubLLM() if stub else _load_llm(model_ref, engine_kwargs)
         except ValueError as exc:  # the engine names what to change in the spec's model section
             raise SpecError([f"model: the engine refused its configuration: {exc}"]) from exc
         self.sampling_kwargs, self.job_seed = dict(sampling_kwargs), job_seed
@@ -61,6 +87,36 @@ class EngineStage:
         self.engine_id = f"{socket.gethostname()}:{os.getpid()}"
         accepts_tqdm = "use_tqdm" in inspect.signature(self.llm.generate).parameters
         self._tqdm_kw = {"use_tqdm": False} if accepts_tqdm else {}
+        self.first_token_at: float | None = None
+        self._watch_first_step()
+
+    def _watch_first_step(self) -> None:
+        """Record when the engine's first step returns: its first prefill has then sampled a first token.
+
+        The engine has no first-token callback, so this wraps its step() on this instance only, once;
+        engines without one fall back to the end of the first generate call (see __call__).
+        """
+        core = getattr(self.llm, "engine", None)
+        step = getattr(core, "step", None)
+        if step is None:
+            return
+
+        def first_step(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            if self.first_token_at is None:
+                self.first_token_at = time.time()
+                core.step = step  # unwrap: later steps pay nothing
+            return out
+
+        core.step = first_step
+
+    def generate_part(self, table: pa.Table, batch_size: int) -> pa.Table:
+        """Generate for a whole part (TOKENIZE_SCHEMA rows, length-sorted per window), `batch_size` rows
+        per engine call (runtime.batch_size); returns its ENGINE_SCHEMA rows in one table."""
+        if table.num_rows <= batch_size:
+            return self(table)
+        chunks = [self(table.slice(start, batch_size)) for start in range(0, table.num_rows, batch_size)]
+        return pa.concat_tables(chunks)
 
     def _params(self, row_id: str):
         from deepinfer.engine import SamplingParams
@@ -88,7 +144,7 @@ class EngineStage:
         names = [f.name for f in C.ENGINE_SCHEMA if f.name in batch.schema.names]
         cols = {name: batch.column(name).to_pylist() for name in names}
         n = batch.num_rows
-        for name in ("__text", "__finish", "__ntok", "__seed", "__json", "__engine", "__gen_s"):
+        for name in ("__text", "__finish", "__ntok", "__seed", "__json", "__engine", "__gen_s", "__t_first"):
             cols[name] = [None] * n
         live = [i for i in range(n) if cols["__err_stage"][i] is None]
         ids = batch.column("__ids").to_pylist()
@@ -100,8 +156,11 @@ class EngineStage:
         start = time.perf_counter()
         outputs = self._generate([ids[i] for i in live], params) if live else []
         share = (time.perf_counter() - start) / max(len(live), 1)
+        if live and self.first_token_at is None:
+            self.first_token_at = time.time()
         for i, seed, out in zip(live, seeds, outputs):
             cols["__seed"][i], cols["__engine"][i], cols["__gen_s"][i] = seed, self.engine_id, share
+            cols["__t_first"][i] = self.first_token_at
             if isinstance(out, ValueError):
                 self._fail(cols, i, ("generate", "GENERATION_ERROR", str(out)))
                 continue

@@ -1,20 +1,29 @@
 """Everything the stages need, in one picklable value, plus factories for each stage.
 
-Both executors build their stages from a `StagePlan`, so Ray and in-process runs execute the same code
-with the same settings. Workers resolve the model themselves (`model_ref`, e.g. 'demo' builds the demo
-checkpoint once per machine), so nothing machine-local travels from the driver.
+Both executors build their stages from a `StagePlan` and run the same two steps per part —
+`prepare_part` (read, prompt, tokenize) and `EngineActor`/`EngineStage.generate_part` — so Ray and
+in-process runs execute the same code with the same settings. Workers resolve the model themselves
+(`model_ref`, e.g. 'demo' builds the demo checkpoint once per machine), so nothing machine-local travels
+from the driver.
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import pyarrow as pa
+from deepinfer.pipeline.parts import PartTask, tasks_from_table
 from deepinfer.pipeline.spec.load import JobSpec
-from deepinfer.pipeline.stages.generate import EngineStage
-from deepinfer.pipeline.stages.prompt import PromptStage, ReadStage, TokenizeStage, model_max_len
+from deepinfer.pipeline.stages import columns as C
+from deepinfer.pipeline.stages.generate import STUB_ENGINE_ENV, EngineStage
+from deepinfer.pipeline.stages.prompt import (
+    PromptStage,
+    TokenizeStage,
+    model_max_len,
+    read_part_table,
+)
 
 
 def resolve_model_dir(model_ref: str) -> str:
@@ -26,6 +35,8 @@ def resolve_model_dir(model_ref: str) -> str:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """The spec's settings the worker stages need (picklable; travels to every Ray worker)."""
+
     input_format: str
     input_storage_options: dict
     template: str
@@ -56,56 +67,58 @@ class StagePlan:
             max_model_len=spec.model.max_model_len, sampling_kwargs=spec.sampling.params_kwargs(),
             job_seed=spec.sampling.seed, output_schema=spec.output_schema,
             batch_size=spec.runtime.batch_size, sort_window=spec.runtime.sort_window,
+            extra={"on_bad_file": spec.input.on_bad_file,
+                   "stub_engine": os.environ.get(STUB_ENGINE_ENV) == "1"},
         )
-
-    def read_stage(self) -> ReadStage:
-        return ReadStage(self.input_format, self.input_storage_options)
 
     def prompt_stage(self) -> PromptStage:
         return PromptStage(self.template, self.system, self.id_column, self.keep_columns,
                            self.output_id_column)
 
     def tokenize_stage(self) -> TokenizeStage:
-        model_dir = resolve_model_dir(self.model_ref)
-        limit = model_max_len(model_dir, self.max_model_len)
-        return TokenizeStage(model_dir, self.mode, limit, self.chat_date)
+        return _tokenize_stage(self.model_ref, self.max_model_len, self.mode, self.chat_date)
 
     def engine_stage(self) -> EngineStage:
+        # The driver's environment decides (workers of a shared Ray cluster do not inherit it).
         return EngineStage(self.model_ref, self.engine_kwargs, self.sampling_kwargs, self.job_seed,
-                           self.output_schema)
+                           self.output_schema, stub=bool(self.extra.get("stub_engine")))
 
 
-def part_items(parts: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Part descriptors as Ray Data items (one JSON string column, so every block has the same schema)."""
-    return [{"part": json.dumps(p, sort_keys=True)} for p in parts]
+@functools.lru_cache(maxsize=4)
+def _tokenize_stage(model_ref: str, max_model_len: int | None, mode: str, chat_date: str) -> TokenizeStage:
+    # One tokenizer per worker process, kept across Ray tasks (Ray reuses worker processes), so the CPU
+    # stages can be plain tasks that fuse into one per part instead of an actor pool of their own.
+    model_dir = resolve_model_dir(model_ref)
+    return TokenizeStage(model_dir, mode, model_max_len(model_dir, max_model_len), chat_date)
 
 
-def parts_table(parts: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(part_items(parts), schema=pa.schema([("part", pa.string())]))
+def prepare_part(plan: StagePlan, task: PartTask) -> pa.Table:
+    """Read, prompt and tokenize one part: its TOKENIZE_SCHEMA rows, length-sorted per sort window.
+
+    Windows never cross a part: a part's rows then reach the engine together and the part can be
+    committed as soon as they are back (a window spanning parts would hold all of them back).
+    """
+    rows = plan.prompt_stage()(read_part_table(task.as_mapping(), plan.input_format,
+                                               plan.input_storage_options,
+                                               plan.extra.get("on_bad_file", "fail")))
+    tokenize = plan.tokenize_stage()
+    windows = [tokenize(rows.slice(start, plan.sort_window))
+               for start in range(0, rows.num_rows, plan.sort_window)]
+    return pa.concat_tables(windows) if windows else C.TOKENIZE_SCHEMA.empty_table()
 
 
-# Callable-class adapters for Ray Data: the constructor receives the plan, __call__ a pyarrow batch.
-class TokenizeActor:
-    def __init__(self, plan: StagePlan) -> None:
-        self.stage = plan.tokenize_stage()
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch)
+def prepare_batch(batch: pa.Table, plan: StagePlan) -> pa.Table:
+    """Ray Data task stage: PART_TASK_SCHEMA rows (one per part) -> those parts' tokenized rows."""
+    tables = [prepare_part(plan, task) for task in tasks_from_table(batch)]
+    return pa.concat_tables(tables) if tables else C.TOKENIZE_SCHEMA.empty_table()
 
 
 class EngineActor:
+    """Ray Data actor stage: one engine; each call receives whole parts and returns their results."""
+
     def __init__(self, plan: StagePlan) -> None:
         self.stage = plan.engine_stage()
+        self.batch_size = plan.batch_size
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage(batch)
-
-
-def read_batch(batch: pa.Table, plan: StagePlan) -> pa.Table:
-    """Ray Data task stage: part descriptors -> the parts' rows."""
-    return plan.read_stage()(batch)
-
-
-def prompt_batch(batch: pa.Table, plan: StagePlan) -> pa.Table:
-    """Ray Data task stage: rows -> rendered prompts (templates compile in microseconds: no actor needed)."""
-    return plan.prompt_stage()(batch)
+        return self.stage.generate_part(batch, self.batch_size)

@@ -14,39 +14,67 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from deepinfer.pipeline.errors import InputError
 from deepinfer.pipeline.stages import columns as C
 from deepinfer.pipeline.stages.read import read_rows
 
 
-def read_part_table(part: dict, fmt: str, storage_options: dict | None) -> pa.Table:
+def read_part_table(part: dict, fmt: str, storage_options: dict | None, on_bad_file: str = "fail"
+                    ) -> pa.Table:
     """One part (a row range of one file) as a READ_SCHEMA table: location columns + the row as JSON.
 
     A line that cannot be decoded stays in the table as a quarantined row (stage 'read', code BAD_ROW).
+    Rows listed in the part's ``duplicates`` (row indices whose id an earlier row of the job already has,
+    see dedupe.py) keep their input, so their id is known, and are quarantined with code DUPLICATE_ID.
+    A file that cannot be decoded raises InputError (exit 2), or with `on_bad_file` 'quarantine' turns
+    every row of the part into a BAD_FILE error naming the file.
     """
-    rows = read_rows(part["url"], fmt, part["first_row"], part["num_rows"], storage_options,
-                     part.get("offset"))
-    first, rel = part["first_row"], part["relpath"]
+    first, rel, n = part["first_row"], part["relpath"], part["num_rows"]
+    bad_file: str | None = None
+    try:
+        rows = read_rows(part["url"], fmt, first, n, storage_options, part.get("offset"))
+    except InputError as exc:
+        if on_bad_file != "quarantine":
+            raise
+        bad_file, rows = str(exc), [(None, str(exc))] * n
+    duplicates = set(part.get("duplicates") or ())
+    codes: list[str | None] = []
+    messages: list[str | None] = []
+    for i, (_, problem) in enumerate(rows):
+        if bad_file is not None:
+            codes.append("BAD_FILE")
+            messages.append(bad_file)
+        elif problem is not None:
+            codes.append("BAD_ROW")
+            messages.append(problem)
+        elif first + i in duplicates:
+            codes.append("DUPLICATE_ID")
+            messages.append("an earlier row of the input (sorted file paths, then row order) has the same "
+                            "id; only that first row is processed")
+        else:
+            codes.append(None)
+            messages.append(None)
     return C.table({
         "__part": [part["part_id"]] * len(rows),
         "__file": [part["file_index"]] * len(rows),
         "__row": list(range(first, first + len(rows))),
         "__source": [f"{rel}:{first + i}" for i in range(len(rows))],
         "__input": [C.dumps(r) if r is not None else None for r, _ in rows],
-        "__err_stage": [None if problem is None else "read" for _, problem in rows],
-        "__err_code": [None if problem is None else "BAD_ROW" for _, problem in rows],
-        "__err_msg": [problem for _, problem in rows],
+        "__err_stage": [None if code is None else "read" for code in codes],
+        "__err_code": codes,
+        "__err_msg": messages,
     }, C.READ_SCHEMA)
 
 
 class ReadStage:
     """Ray Data stage: a batch of part descriptors -> the rows of those parts (READ_SCHEMA)."""
 
-    def __init__(self, fmt: str, storage_options: dict | None) -> None:
-        self.fmt, self.storage_options = fmt, storage_options
+    def __init__(self, fmt: str, storage_options: dict | None, on_bad_file: str = "fail") -> None:
+        self.fmt, self.storage_options, self.on_bad_file = fmt, storage_options, on_bad_file
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         parts = [json.loads(p) for p in batch.column("part").to_pylist()]
-        tables = [read_part_table(p, self.fmt, self.storage_options) for p in parts]
+        tables = [read_part_table(p, self.fmt, self.storage_options, self.on_bad_file) for p in parts]
         return pa.concat_tables(tables) if tables else C.READ_SCHEMA.empty_table()
 
 
@@ -118,7 +146,10 @@ class PromptStage:
             out[loc[0]] = batch.column(loc[0]).to_pylist()
         earlier = zip(*(batch.column(n).to_pylist() for n in ("__err_stage", "__err_code", "__err_msg")))
         for source, text, read_error in zip(out["__source"], batch.column("__input").to_pylist(), earlier):
-            if read_error[0] is not None:  # undecodable line: keep its location as id, pass the error on
+            if read_error[0] is not None and text is not None:  # a duplicate id: named by its id
+                row_id, _, _ = row_id_of(C.loads(text), self.id_column, source)
+                user, system, err, keep = None, None, read_error, {self.output_id_column: None}
+            elif read_error[0] is not None:  # undecodable line: keep its location as id, pass the error on
                 user, system, err = None, None, read_error
                 row_id, keep = source, {self.output_id_column: None}
             else:

@@ -3,16 +3,23 @@
 The listing is the root of determinism: files are sorted by path, rows are numbered per file in file order
 (blank JSONL lines are skipped and not numbered), and a part is a contiguous row range of one file. Reading a
 part therefore always yields the same rows, whichever worker reads it and however often.
+
+A file that cannot be decoded as input.format (not Parquet, truncated, a corrupt page or gzip stream) raises
+:class:`InputError` naming the file (exit 2), never a bare pyarrow error; with ``input.on_bad_file:
+quarantine`` the listing counts an unreadable file as one row and the read stage quarantines its rows with
+code BAD_FILE instead (prompt.py). Storage failures (permissions, timeouts) are not "bad files": they
+propagate and are classified as such (errors.classify_exception).
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.pipeline.errors import SpecError
+from deepinfer.pipeline.errors import InputError, SpecError
 from deepinfer.pipeline.parts import relative_input_path
 
 EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".json", ".ndjson", ".jsonl.gz")}
@@ -35,6 +42,7 @@ class InputFile:
     # scanning the file from its start. Empty for Parquet (row groups play that role) and compressed files.
     offsets: tuple[int, ...] = ()
     stride: int = 0
+    bad: str | None = None  # why the file cannot be read (on_bad_file: quarantine); num_rows is then 1
 
     def offset_of(self, row: int) -> int | None:
         """Byte offset of row `row` when it was recorded, else None."""
@@ -55,17 +63,50 @@ def _is_data_file(path: str, fmt: str) -> bool:
     return not name.startswith(("_", ".")) and name.lower().endswith(EXTENSIONS[fmt])
 
 
+def _is_corrupt(exc: BaseException) -> bool:
+    """Whether `exc` says the bytes are not valid input (as opposed to storage failing to deliver them)."""
+    import gzip
+    import lzma
+
+    import pyarrow as pa
+
+    if isinstance(exc, (pa.ArrowException, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)):
+        return True
+    # pyarrow reports some decoding failures ("Corrupt snappy compressed data") as a plain OSError. A
+    # storage failure while pyarrow reads through fsspec is re-raised as the original exception, raised
+    # in fsspec or s3fs code; a decoding failure is raised by pyarrow's own (Cython) frames.
+    return isinstance(exc, OSError) and exc.errno is None and _raised_in_pyarrow(exc)
+
+
+def _raised_in_pyarrow(exc: BaseException) -> bool:
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and "pyarrow" in last.tb_frame.f_code.co_filename
+
+
+def bad_file_error(url: str, fmt: str, exc: BaseException) -> InputError:
+    """The exit-2 error for an input file that cannot be decoded, naming the file and what to do."""
+    lines = str(exc).strip().splitlines()
+    why = (lines[0] if lines else type(exc).__name__)[:200]
+    return InputError(f"input file {url} cannot be read as {fmt} ({why}); fix or remove the file, or set "
+                      "input.on_bad_file: quarantine to record it in errors/ and go on")
+
+
 def list_input(path: str, fmt: str, storage_options: dict | None = None,
-               stride: int = 0) -> list[InputFile]:
+               stride: int = 0, on_bad_file: str = "fail") -> list[InputFile]:
     """Sorted input files for input.path (file, directory searched recursively, or glob) with row counts
     (and, for uncompressed JSONL with `stride` > 0, the byte offset of every `stride`-th row).
 
-    Raises SpecError (exit 2) when nothing matches; storage failures propagate as OSError (retryable).
+    Directories and globs yield only files with the format's extensions whose names do not start with
+    '_' or '.'. Raises SpecError (exit 2) when nothing matches, InputError (exit 2) naming a file that is
+    not valid `fmt` unless `on_bad_file` is 'quarantine'; storage failures propagate.
     """
     fs, root = filesystem(path, storage_options)
     if any(c in root for c in _GLOB_CHARS):
         base = root[: min(root.find(c) for c in _GLOB_CHARS if c in root)].rsplit("/", 1)[0]
-        files = [p for p in fs.glob(root) if fs.isfile(p)]
+        found = fs.glob(root, detail=True)
+        files = [p for p, info in found.items() if info.get("type") != "directory" and _is_data_file(p, fmt)]
     elif fs.isdir(root):
         base = root.rstrip("/")
         files = [p for p in fs.find(root) if _is_data_file(p, fmt)]
@@ -83,7 +124,16 @@ def list_input(path: str, fmt: str, storage_options: dict | None = None,
         url = fs.unstrip_protocol(p) if "://" in path else p
         rel = relative_input_path(base, p)
         size = int(info.get("size") or 0)
-        n, offsets = count_rows(fs, p, fmt, stride)
+        try:
+            n, offsets = count_rows(fs, p, fmt, stride)
+        except Exception as exc:
+            if not _is_corrupt(exc):
+                raise
+            error = bad_file_error(url, fmt, exc)
+            if on_bad_file != "quarantine":
+                raise error from None
+            listing.append(InputFile(index, url, p, base, rel, size, 1, (), 0, str(error)))
+            continue
         listing.append(InputFile(index, url, p, base, rel, size, n, offsets, stride if offsets else 0))
     return listing
 
@@ -119,8 +169,13 @@ def parquet_schema(url: str, storage_options: dict | None = None):
     import pyarrow.parquet as pq
 
     fs, p = filesystem(url, storage_options)
-    with fs.open(p, "rb") as f:
-        return pq.ParquetFile(f).schema_arrow
+    try:
+        with fs.open(p, "rb") as f:
+            return pq.ParquetFile(f).schema_arrow
+    except Exception as exc:
+        if _is_corrupt(exc):
+            raise bad_file_error(url, "parquet", exc) from None
+        raise
 
 
 def read_rows(url: str, fmt: str, first_row: int, num_rows: int, storage_options: dict | None = None,
@@ -131,6 +186,16 @@ def read_rows(url: str, fmt: str, first_row: int, num_rows: int, storage_options
     `offset`, when known, is the byte offset of `first_row` (JSONL): the read starts there.
     """
     fs, p = filesystem(url, storage_options)
+    try:
+        return _read_rows(fs, p, url, fmt, first_row, num_rows, offset)
+    except Exception as exc:
+        if _is_corrupt(exc):
+            raise bad_file_error(url, fmt, exc) from None
+        raise
+
+
+def _read_rows(fs, p: str, url: str, fmt: str, first_row: int, num_rows: int, offset: int | None
+               ) -> list[tuple[dict[str, Any] | None, str | None]]:
     if fmt == "parquet":
         return [(row, None) for row in _read_parquet_rows(fs, p, first_row, num_rows)]
     rows: list[tuple[dict[str, Any] | None, str | None]] = []

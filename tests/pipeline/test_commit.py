@@ -282,7 +282,8 @@ def test_status_reports_progress_from_markers(target):
             store.commit_part(part.part_id, *h.part_tables(part, 0), "parquet")
         st = job_status(url, so)
         assert st["live_runs"] == 1
-    assert (st["state"], st["total_parts"], st["committed_parts"]) == ("in_progress", 11, 4)
+    assert (st["state"], st["total_parts"], st["committed_parts"]) == ("running", 11, 4)
+    assert job_status(url, so)["state"] == "interrupted"  # the lease is released: no run is live
     assert (st["total_rows"], st["committed_rows"] + st["error_rows"]) == (49, 20)
     assert st["error_codes"] == {"INVALID_JSON": st["error_rows"]}
     h.run(url, so)

@@ -82,7 +82,6 @@ def test_fingerprint_is_deterministic_and_json_serializable(setup):
         ("output.format", "jsonl", 'output: format: "parquet" -> "jsonl"'),
         ("output.keep_columns", [], "output: keep_columns"),
         ("input.id_column", "key", "input: id_column"),
-        ("runtime.rows_per_part", 50, "runtime: rows_per_part: 100 -> 50"),
         ("model.dtype", "bfloat16", "model: dtype"),
         ("model.max_model_len", 128, "model: max_model_len"),
     ],
@@ -100,6 +99,8 @@ def test_each_semantic_change_is_detected_and_named(setup, dotted, value, expect
         ("runtime.engines", 4),
         ("runtime.max_num_seqs", 8),
         ("runtime.max_error_fraction", 0.5),
+        ("runtime.rows_per_part", 50),  # a resume keeps the stored part plan (x-affects-output: false)
+        ("runtime.sort_window", 7),
         ("output.path", "s3://bucket/elsewhere"),
         ("input.path", "/mnt/copy/in"),
         ("model.path", "/other/copy/of/tiny"),

@@ -301,8 +301,9 @@ def test_killed_submit_resumes_to_the_same_bytes(tmp_path, model_dir) -> None:
     assert main(["submit", spec, "--set", f"output.path={reference}"]) == 0
 
     # SIGKILL after the second part's data is written but before its commit marker (leaves an orphan).
-    env = {**os.environ, "DEEPINFER_TEST_KILL_AT": "after_part_data_written:2"}
-    proc = subprocess.run([sys.executable, "-m", "deepinfer.pipeline.cli", "submit", spec], env=env,
+    env = {**os.environ, "DEEPINFER_TEST_KILL_AT": "after_part_data_written:2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.killable_cli", "submit", spec], env=env,
                           capture_output=True, text=True, timeout=300, start_new_session=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     out = tmp_path / "out"
@@ -312,6 +313,7 @@ def test_killed_submit_resumes_to_the_same_bytes(tmp_path, model_dir) -> None:
 
 
 def test_part_collector_completes_parts_once_despite_duplicate_rows() -> None:
+    from deepinfer.pipeline.parts import PartTask
     from deepinfer.pipeline.runner import PartCollector
     from deepinfer.pipeline.stages import columns as C
 
@@ -320,10 +322,10 @@ def test_part_collector_completes_parts_once_despite_duplicate_rows() -> None:
         return C.table({"__part": [part] * n, "__file": [0] * n, "__row": idx, "__source": ["s"] * n,
                         "__row_id": [str(i) for i in idx], "__keep": ["{}"] * n}, C.ENGINE_SCHEMA)
 
-    collector = PartCollector([{"part_id": "A", "num_rows": 3}, {"part_id": "B", "num_rows": 2}])
+    collector = PartCollector([PartTask("A", 0, "f", "f", 0, 3), PartTask("B", 0, "f", "f", 5, 2)])
     assert collector.add(pa.concat_tables([rows("A", [0, 1]), rows("B", [5])])) == []
     assert collector.add(rows("A", [1])) == []  # a retried row: A still lacks row 2
     done = collector.add(pa.concat_tables([rows("A", [2]), rows("B", [6])]))
-    got = [(p["part_id"], t.column("__row").to_pylist()) for p, t in done]
+    got = [(p.part_id, t.column("__row").to_pylist()) for p, t in done]
     assert got == [("A", [0, 1, 2]), ("B", [5, 6])]
     assert collector.add(rows("A", [0])) == [] and collector.pending() == []

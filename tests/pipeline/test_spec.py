@@ -144,7 +144,7 @@ def test_set_overrides_parse_yaml_and_create_mappings(assignment, field, expecte
     ("=3", "dotted field path"),
     ("sampling..seed=3", "dotted field path"),
     ("prompt.template.x=1", "prompt.template is a str, not a mapping"),
-    ("sampling.stop=[unclosed", "not valid YAML"),
+    ("sampling.stop=[unclosed", "YAML syntax error"),
 ])
 def test_bad_set_is_a_spec_error(assignment, expected) -> None:
     with pytest.raises(SpecError) as info:
@@ -160,9 +160,9 @@ def test_set_values_are_validated_afterwards(tmp_path: Path) -> None:
 def test_not_a_mapping_and_bad_yaml_are_spec_errors(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     (tmp_path / "broken.yaml").write_text("model: {name: demo\n")
-    with pytest.raises(SpecError, match="must be a YAML mapping"):
+    with pytest.raises(SpecError, match="must be a mapping of sections"):
         load_document(tmp_path / "list.yaml")
-    with pytest.raises(SpecError, match="not valid YAML at line"):
+    with pytest.raises(SpecError, match="line 2, column 1: YAML syntax error"):
         load_document(tmp_path / "broken.yaml")
     with pytest.raises(SpecError, match="no such spec file"):
         load_document(tmp_path / "missing.yaml")

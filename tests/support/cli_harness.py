@@ -17,6 +17,8 @@ from pathlib import Path
 from deepinfer.pipeline.output.layout import OutputReader
 from deepinfer.pipeline.output.storage import open_fs
 
+REPO = str(Path(__file__).resolve().parents[2])
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     with open(path, "w") as f:
@@ -30,10 +32,12 @@ def start_submit(spec: Path, output: str, *extra: str, env: dict | None = None,
     """`deepinfer-job submit SPEC --set output.path=OUTPUT ...` in a new session (own process group)."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("DEEPINFER_TEST_KILL_AT", None)
-    if kill_at:
+    module = "deepinfer.pipeline.cli"
+    if kill_at:  # the product has no kill hook: the test entry point installs it (kill_hooks.py)
         full_env["DEEPINFER_TEST_KILL_AT"] = kill_at
-    cmd = [sys.executable, "-m", "deepinfer.pipeline.cli", "submit", str(spec),
-           "--set", f"output.path={output}", *extra]
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, full_env.get("PYTHONPATH")]))
+        module = "tests.support.killable_cli"
+    cmd = [sys.executable, "-m", module, "submit", str(spec), "--set", f"output.path={output}", *extra]
     return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 

@@ -21,6 +21,8 @@ from deepinfer.pipeline.output.layout import OutputReader
 from deepinfer.pipeline.output.storage import open_fs
 from deepinfer.pipeline.parts import PartSpec, plan_parts, row_id
 
+from tests.support import kill_hooks
+
 LISTING = [("in/b.jsonl", 17), ("in/a.jsonl", 23), ("in/empty.jsonl", 0), ("in/c.jsonl", 9)]
 ROWS_PER_PART = 5
 
@@ -49,7 +51,7 @@ def run(url: str, storage_options: dict | None = None, seed: int = 0, fmt: str =
         order_seed: int | None = None, restart: bool = False) -> dict:
     """Run the synthetic job to completion; returns what happened."""
     parts, record = job(seed, fmt)
-    with OutputStore(url, storage_options) as store:
+    with OutputStore(url, storage_options, hooks=kill_hooks.from_env()) as store:
         state = store.begin(record, restart=restart)
         if state.complete:
             return {"complete_before": True, "committed": 0, "orphans_removed": 0}
