@@ -13,7 +13,12 @@ from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.core.finish import FinishRules
-from deepinfer.engine.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from deepinfer.engine.core.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_cache_for,
+    blocks_that_fit,
+    cache_layout_for,
+)
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.layers.backends import make_ops
@@ -21,7 +26,9 @@ from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.loader import iter_weights, resolve_dtype, resolve_model_dir
 from deepinfer.engine.models.registry import build_model
 from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.runner.cuda_graphs import env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
+from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed
 from deepinfer.engine.structured.lazy import LazyStructuredOutputs
@@ -72,7 +79,12 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         allow_pickle: bool = False,
+        enable_cuda_graphs: bool = True,
+        async_scheduling: bool = True,
     ) -> None:
+        """enable_cuda_graphs: capture decode steps as CUDA graphs at start-up (CUDA only; off with
+        DEEPINFER_DISABLE_CUDA_GRAPHS=1). async_scheduling: overlap host work with the device step
+        (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic mode."""
         self.device = _resolve_device(device)
         self.model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -114,9 +126,11 @@ class LLM:
         else:
             raise ValueError(f"load_format={load_format!r}: expected 'auto' or 'dummy'")
         spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, self.dtype)
+        # A model may keep its own cache layout (MLA: one latent per token and layer); Llama keeps K/V.
+        spec = self.kv_cache_spec = cache_layout_for(self.model, spec)
         n_blocks = blocks_that_fit(spec, cache_cfg, self.device)
         self.cache_cfg = dataclasses.replace(cache_cfg, num_blocks=n_blocks)
-        kv_caches = allocate_kv_cache(spec, n_blocks, self.device)
+        kv_caches = allocate_kv_cache_for(self.model, spec, n_blocks, self.device)
         # One handle for the engine core, the runner and the finish rules; the manager behind it is built on
         # the first constrained request (compiling the vocabulary for llguidance costs time).
         self._structured = LazyStructuredOutputs(
@@ -126,7 +140,11 @@ class LLM:
         finish_rules = FinishRules(max_model_len, self._structured)
         scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager, finish_rules)
         runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device, self._structured)
-        self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured)
+        graphs = make_decode_graphs(self.model, kv_caches, block_size, max_model_len, max_num_seqs,
+                                    self.device, enable_cuda_graphs)
+        self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured,
+                                 executor=StepExecutor(runner, graphs),
+                                 async_scheduling=async_scheduling and not env_flag("DEEPINFER_SYNC_LOOP"))
         self._ids = itertools.count()
 
     @property
@@ -137,6 +155,10 @@ class LLM:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+
+    def get_stats(self) -> dict[str, float | int | bool | list[int]]:
+        """Engine counters: loop mode, steps, CUDA-graph buckets, capture time and memory, spec decoding."""
+        return self.engine.stats()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

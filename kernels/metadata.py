@@ -28,6 +28,10 @@ class AttentionMetadata:
     # Host copies, so CPU code paths never synchronise with the device to read shapes.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # int32 [2 * B]: the paged-attention program map (b, 0) for each sequence b, given when every sequence
+    # has exactly one query token (CUDA-graph decode steps keep it in a static buffer). None: the kernel
+    # builds its plan from the host lengths.
+    decode_plan: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -174,7 +174,10 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     cfg = attention_tile_config(group, head_dim, q.dtype)
-    plan = _plan_tensor(meta, cfg["BLOCK_Q"], q.device)
+    if meta.decode_plan is not None and meta.max_query_len == 1:
+        plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
+    else:
+        plan = _plan_tensor(meta, cfg["BLOCK_Q"], q.device)
     bt = meta.block_tables
     _paged_attention_kernel[(plan.shape[0] // 2, num_kv_heads)](
         q, k_cache, v_cache, out,

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from deepinfer.engine.core.overlap import OverlapStats, run_overlapped
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.runner.model_runner import ModelRunner
+from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.text.output_processor import OutputProcessor
 
 if TYPE_CHECKING:
@@ -23,11 +25,17 @@ class EngineCore:
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
-                 structured: LazyStructuredOutputs | None = None) -> None:
+                 structured: LazyStructuredOutputs | None = None, executor: StepExecutor | None = None,
+                 async_scheduling: bool = False) -> None:
+        """executor: how steps run on the device (default: eager, no graphs). async_scheduling: `run`
+        overlaps host work with the device (core/overlap.py) instead of stepping synchronously."""
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
         self.structured = structured
+        self.executor = executor if executor is not None else StepExecutor(runner)
+        self.async_scheduling = async_scheduling
+        self.overlap_stats = OverlapStats()
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (ValueError from the scheduler when it can never run)."""
@@ -37,15 +45,29 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def step(self) -> list[Sequence]:
-        """Run one forward pass; return the requests that finished in it."""
+        """Run one forward pass synchronously; return the requests that finished in it."""
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError("scheduler produced an empty step while requests are pending")
-        finished = self.scheduler.update(out, self.runner.execute(out))
+        finished = self.scheduler.update(out, self.executor.execute(out))
         if self.structured is not None:
             for seq in finished:
                 self.structured.free(seq)
         return finished
+
+    def stats(self) -> dict[str, float | int | bool | list[int]]:
+        """Counters of the loop and the device steps, and what the CUDA graphs cost at start-up."""
+        o = self.overlap_stats
+        return {
+            "async_scheduling": self.async_scheduling,
+            "overlap_steps": o.steps,
+            "overlapped_steps": o.overlapped,
+            "overlap_wasted_rows": o.wasted_rows,
+            **self.executor.stats(),
+            # No draft model runs in this engine yet: nothing drafted or accepted (DESIGN.md contract).
+            "spec_drafted_tokens": 0,
+            "spec_accepted_tokens": 0,
+        }
 
     def abort_all(self) -> None:
         """Finish every pending request with "abort" and drop its per-request state."""
@@ -59,6 +81,9 @@ class EngineCore:
 
     def run(self, on_finish: Callable[[Sequence], None]) -> None:
         """Step until no request is pending, calling `on_finish` for each one as it finishes."""
+        if self.async_scheduling:
+            run_overlapped(self, on_finish, self.overlap_stats)
+            return
         while self.scheduler.has_unfinished():
             for seq in self.step():
                 on_finish(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from deepinfer.engine.core.config import CacheConfig
@@ -25,7 +26,30 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def blocks_that_fit(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device) -> int:
+class KVCacheLayout(Protocol):
+    """What sizing needs of a cache layout: KVCacheSpec, or a model's own (e.g. MLA's latent cache)."""
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+
+def cache_layout_for(model: Any, default: KVCacheSpec) -> KVCacheLayout:
+    """The model's own layout when it declares one (`kv_cache_spec(block_size, dtype)`), else `default`.
+
+    Block tables, slots, prefix caching and preemption never look inside a block, so a model may keep any
+    per-token contents there (DeepSeek's MLA keeps one compressed latent per token and layer).
+    """
+    own = getattr(model, "kv_cache_spec", None)
+    return default if own is None else own(default.block_size, default.dtype)
+
+
+def allocate_kv_cache_for(model: Any, spec: KVCacheLayout, num_blocks: int, device: torch.device) -> list:
+    """Per-layer caches in the model's layout (`allocate_kv_cache`), else per-head (k_cache, v_cache)."""
+    own = getattr(model, "allocate_kv_cache", None)
+    return allocate_kv_cache(spec, num_blocks, device) if own is None else own(spec, num_blocks, device)
+
+
+def blocks_that_fit(spec: KVCacheLayout, cfg: CacheConfig, device: torch.device) -> int:
     """How many blocks fit: `cfg.num_blocks` when set; else from free CUDA memory or `cpu_kv_cache_gib`."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks

@@ -26,7 +26,7 @@ from collections import deque
 
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
-from deepinfer.engine.core.finish import FinishRules
+from deepinfer.engine.core.finish import FinishRules, token_finish_reason
 from deepinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     ScheduledSequence,
@@ -167,6 +167,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.has_pending_token and token_finish_reason(seq, self.cfg.max_model_len) == "length":
+                # Overlapped loop: its in-flight token is its last whatever its value (max_tokens or
+                # max_model_len), so another step would be computed only to be thrown away.
+                i += 1
+                continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n == 0:
                 i += 1
@@ -216,11 +221,31 @@ class Scheduler:
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         return out
 
-    def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Sequence]:
+    def commit_launch(self, out: SchedulerOutput) -> None:
+        """Overlapped loop: count the step's tokens as computed as soon as it is launched, so the next
+        schedule, built before this step's results are read, continues after them. `update(out, ...,
+        launched=True)` then applies the rest."""
+        for s in out.scheduled:
+            self._advance(s)
+
+    def _advance(self, s: ScheduledSequence) -> None:
+        seq = s.seq
+        if seq.num_computed_tokens != s.start:
+            raise RuntimeError(
+                f"seq {seq.seq_id}: step started at {s.start} but {seq.num_computed_tokens} are computed"
+            )
+        seq.num_computed_tokens = s.start + s.num_new_tokens
+
+    def update(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,
+               launched: bool = False) -> list[Sequence]:
         """Apply a finished step: advance computed tokens, register full blocks for prefix caching,
         append sampled tokens (+ logprobs) and finish sequences by the finish rules. Returns the sequences
         finished by this step: those a token rule ended, then those only a text rule ended, each group
-        in batch order."""
+        in batch order.
+
+        launched=True (overlapped loop): `commit_launch(out)` already advanced the computed tokens, the
+        next step may already have been scheduled (and have preempted some of these sequences), and each
+        sampled sequence holds a PENDING_TOKEN that the real token replaces."""
         sampled = {sid: i for i, sid in enumerate(runner_out.seq_ids)}
         finished: list[Sequence] = []
         # Requests that only a text rule (stop string, grammar) ended release their blocks after the rest of
@@ -232,18 +257,24 @@ class Scheduler:
             seq = s.seq
             if seq.is_finished:     # finished from outside between schedule() and update()
                 continue
-            if seq.num_computed_tokens != s.start:
-                raise RuntimeError(
-                    f"seq {seq.seq_id}: step started at {s.start} but {seq.num_computed_tokens} are computed"
-                )
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.block_manager.mark_computed(seq)
-            if not s.sample:
-                continue
-            j = sampled.get(seq.seq_id)
-            if j is None:
+            if not launched:
+                self._advance(s)
+            j = sampled.get(seq.seq_id) if s.sample else None
+            if s.sample and j is None:
                 raise RuntimeError(f"model runner returned no token for sampled seq {seq.seq_id}")
-            seq.output_token_ids.append(runner_out.token_ids[j])
+            if j is not None:
+                if launched:
+                    if not seq.has_pending_token:
+                        raise RuntimeError(f"seq {seq.seq_id}: no pending token to resolve")
+                    seq.output_token_ids[-1] = runner_out.token_ids[j]
+                else:
+                    seq.output_token_ids.append(runner_out.token_ids[j])
+            # The token is resolved first: a launched step's successor may already count it as computed, and
+            # registering a full block hashes its tokens. A sequence preempted since launch holds no blocks.
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.mark_computed(seq)
+            if j is None:
+                continue
             lp = runner_out.logprobs[j] if j < len(runner_out.logprobs) else None
             if lp is not None:
                 if seq.logprobs is None:

@@ -13,6 +13,12 @@ if TYPE_CHECKING:  # annotations only: the structured and text rooms import this
     from deepinfer.engine.text.detokenizer import IncrementalDetokenizer
 
 
+# Stands in output_token_ids for a token that was sampled on the device but not yet read back (overlapped
+# loop only, core/overlap.py): the next step is scheduled and launched before the host knows its value.
+# Scheduler.update replaces it with the real id before anything reads the token's value.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"      # not yet admitted, or preempted and waiting to recompute
     RUNNING = "running"      # holds KV blocks and is scheduled each step
@@ -71,6 +77,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def has_pending_token(self) -> bool:
+        """True while the last output token is PENDING_TOKEN (sampled, not yet read back)."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
 
     @property
     def is_finished(self) -> bool:

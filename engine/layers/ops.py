@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 
@@ -49,6 +50,38 @@ class Ops:
         from the cache (after `store_kv` wrote this step's k/v). Hq is a multiple of Hkv (GQA).
         """
         raise NotImplementedError
+
+    def store_mla(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        """Write MLA's latent [T, R] and rope key [T, P] into the latent cache [blocks, block_size, R + P]."""
+        store_mla_ref(latent, k_pe, cache, slot_mapping)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                      meta: AttentionMetadata, kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal MLA over the latent cache: q_nope [T, H, N], q_pe [T, H, P] -> [T, H, V].
+
+        Shared version, every token in the absorbed form (q_nope into latent space with W_UK, attention
+        over the cached entries, out through W_UV; see kernels/reference/mla.py). In deterministic mode the
+        per-head projections run through `self.linear` (row-invariant) and the attention core reduces keys
+        in fixed chunks, so prefill and decode rows take one path and a token's bits never depend on how it
+        was scheduled; otherwise the projections are plain einsums.
+        """
+        num_heads, nope = q_nope.shape[1], q_nope.shape[2]
+        rank = kv_b_weight.shape[1]
+        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope)          # [H, N, R], [H, V, R]
+        if self.deterministic:
+            # linear(x, W) = x @ W^T: W_UK[h]^T is [R, N]; W_UV[h] is already [V, R]. Contiguous operands,
+            # as the GPU's invariant matmul requires.
+            q_lat = torch.stack([self.linear(q_nope[:, h].contiguous(), w_uk[h].t().contiguous())
+                                 for h in range(num_heads)], dim=1)
+        else:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        o_lat = chunked_mla_attention(q_abs, cache, meta, scale, rank)  # [T, H, R]
+        if self.deterministic:
+            return torch.stack([self.linear(o_lat[:, h].contiguous(), w_uv[h].contiguous())
+                                for h in range(num_heads)], dim=1)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(deterministic={self.deterministic})"

@@ -13,6 +13,8 @@ from typing import Any
 
 DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Parsed by deepseek_config.DeepseekConfig (a ModelConfig subclass); ModelConfig.from_dict returns one.
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise ValueError(f"{source}: field 'architectures' must be a non-empty list of class names, "
                              f"got {archs!r}")
+        if archs[0] in _DEEPSEEK_ARCHITECTURES:
+            # MLA + MoE checkpoints carry their own fields; imported here: that module builds on this one.
+            from deepinfer.engine.models.deepseek_config import DeepseekConfig
+
+            return DeepseekConfig.from_dict(raw, gen, source)
         model_type = str(raw.get("model_type", ""))
         hidden = fields.int("hidden_size")
         heads = fields.int("num_attention_heads")

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -29,9 +28,8 @@ class PreparedBatch:
 class ModelRunner:
     """Owns the model, its KV cache and the sampler; `execute` is one engine step on the device.
 
-    Host-side batch building uses numpy and copies to the device once per tensor, so the structure
-    already suits CPU/GPU overlap (prepare step N+1 while step N runs) and CUDA-graph capture of
-    decode-only steps, which later work can add without changing the interface.
+    Host-side batch building uses numpy and copies to the device once per tensor (pinned, non-blocking).
+    The engine drives it through runner/step_executor.py (overlapped loop, CUDA graphs of decode steps).
     """
 
     def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device,
@@ -97,22 +95,11 @@ class ModelRunner:
             sample_indices=to_dev(np.asarray(sample_rows, dtype=np.int64)),
         )
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Forward the step's tokens and sample one token per sequence that samples this step."""
-        seqs = [s.seq for s in out.sampled]
-        # Grammar masks are filled on CPU threads while the device runs the forward pass.
-        masks = self.structured.masks_for(seqs) if self.structured is not None and seqs else None
-        batch = self.prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
-        if not seqs:
-            return ModelRunnerOutput(seq_ids=[], token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
-        if logits.shape[-1] > self.vocab_size:
-            logits = logits[:, : self.vocab_size]
-        if masks is not None:
-            masks.apply(logits)
-        meta = SamplingMetadata.from_sequences(seqs, logits.shape[-1], self.device)
-        result = self.sampler(logits, meta)
-        tokens = result.token_ids.tolist()
-        return ModelRunnerOutput(seq_ids=[s.seq_id for s in seqs], token_ids=tokens, logprobs=result.logprobs)
+        """Forward the step's tokens and sample one token per sequence that samples this step.
+
+        The engine steps through runner/step_executor.py (forward and sample as separate launches, for the
+        overlapped loop and CUDA graphs); this is its synchronous step, without graphs."""
+        from deepinfer.engine.runner.step_executor import StepExecutor
+
+        return StepExecutor(self).execute(out)

@@ -19,6 +19,15 @@ from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import to_int64
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking the host: on CUDA through pinned staging memory and a
+    non-blocking copy (a plain .to() from pageable memory waits for all queued device work, which would stall
+    the overlapped loop behind the forward in flight)."""
+    if device.type != "cuda" or t.numel() == 0:   # an empty copy moves nothing and waits for nothing
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PenaltyData:
     """Penalty inputs for the rows in `rows` (indices into the batch), in that order."""
@@ -113,7 +122,10 @@ class SamplingMetadata:
         eos = empty if eos_token_ids is None else eos_token_ids
 
         def idx(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+            return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+        def f32_on(values: list[float]) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         def sub_idx(values: list[int]) -> torch.Tensor | None:
             return idx(values) if values else None
@@ -131,12 +143,12 @@ class SamplingMetadata:
             device=device,
             greedy_rows=idx(greedy),
             sample_rows=idx(sample),
-            temperature=torch.tensor([float(p.temperature) for p in sp], dtype=torch.float32).to(device),
+            temperature=f32_on([float(p.temperature) for p in sp]),
             seeds=idx([to_int64(seeds[i]) for i in sample]),
             positions=idx([int(positions[i]) for i in sample]),
             top_k=idx(top_k),
-            top_p=torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64).to(device),
-            min_p=torch.tensor([float(p.min_p) for p in sp], dtype=torch.float32).to(device),
+            top_p=to_device(torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64), device),
+            min_p=f32_on([float(p.min_p) for p in sp]),
             top_p_idx=sub_idx(use_top_p),
             top_k_only_idx=sub_idx(top_k_only),
             top_k_only_max=max((top_k[j] for j in top_k_only), default=0),
@@ -167,26 +179,29 @@ def _penalty_data(
         tokens = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(ids) for ids in lists]))
         valid = (tokens >= 0) & (tokens < vocab_size)
-        return (rows[valid] * vocab_size + tokens[valid]).to(device)
+        return to_device(rows[valid] * vocab_size + tokens[valid], device)
 
     size = len(rows) * vocab_size
     counts = None
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in pp):
-        # Integer counting is exact in any order; the float32 copy is exact for counts below 2**24.
-        counts = torch.bincount(flat([outputs[i] for i in rows]), minlength=size)
-        counts = counts.view(len(rows), vocab_size).to(torch.float32)
+        # Adding ones in float32 is exact (and so order-free) for counts below 2**24.
+        # Scatter-add of ones, not bincount: CUDA bincount reads its input's max on the host (a sync).
+        idx = flat([outputs[i] for i in rows])
+        counts = torch.zeros(size, dtype=torch.float32, device=device)
+        counts.index_add_(0, idx, torch.ones(idx.shape[0], dtype=torch.float32, device=device))
+        counts = counts.view(len(rows), vocab_size)
     seen = None
     if any(p.repetition_penalty != 1.0 for p in pp):
         seen = torch.zeros(size, dtype=torch.bool, device=device)
-        seen[flat([prompts[i] for i in rows])] = True
-        seen[flat([outputs[i] for i in rows])] = True
+        seen.index_fill_(0, flat([prompts[i] for i in rows]), True)
+        seen.index_fill_(0, flat([outputs[i] for i in rows]), True)
         seen = seen.view(len(rows), vocab_size)
 
     def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device)
+        return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     return PenaltyData(
-        rows=torch.tensor(rows, dtype=torch.int64).to(device),
+        rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
         repetition=f32([float(p.repetition_penalty) for p in pp]),
         presence=f32([float(p.presence_penalty) for p in pp]),
         frequency=f32([float(p.frequency_penalty) for p in pp]),
@@ -217,6 +232,6 @@ def _blocked(
     if not rows:
         return {"blocked_rows": None, "blocked_tokens": None}
     return {
-        "blocked_rows": torch.tensor(rows, dtype=torch.int64).to(device),
-        "blocked_tokens": torch.tensor(tokens, dtype=torch.int64).to(device),
+        "blocked_rows": to_device(torch.tensor(rows, dtype=torch.int64), device),
+        "blocked_tokens": to_device(torch.tensor(tokens, dtype=torch.int64), device),
     }

@@ -31,4 +31,5 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyData) -> None:
 
 def apply_blocked(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
     """In place: logits[rows[j], tokens[j]] = -inf (EOS and stop ids of rows still below min_tokens)."""
-    logits.index_put_((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+    # A device-side fill: torch.tensor(-inf, device=...) would copy from the host and wait for the device.
+    logits.index_put_((rows, tokens), torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))

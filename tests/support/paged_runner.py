@@ -30,8 +30,12 @@ class PagedBatchRunner:
         self.device = param.device
         shape = (num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         # NaN-filled: attention must never let an unwritten or masked slot reach a result.
-        self.kv = [tuple(torch.full(shape, float("nan"), dtype=param.dtype, device=self.device)
-                         for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+        if hasattr(model, "kv_cache_spec"):  # a model with its own cache layout (e.g. MLA's latent cache)
+            spec = model.kv_cache_spec(BLOCK_SIZE, param.dtype)
+            self.kv = [t.fill_(float("nan")) for t in model.allocate_kv_cache(spec, num_blocks, self.device)]
+        else:
+            self.kv = [tuple(torch.full(shape, float("nan"), dtype=param.dtype, device=self.device)
+                             for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
         # Hand blocks out in a scrambled order so that block tables are not the identity.
         self.free = random.Random(0).sample(range(num_blocks), num_blocks)
         self.seqs: dict[str, _Seq] = {}

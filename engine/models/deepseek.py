@@ -1,0 +1,131 @@
+"""DeepSeek-V2/V3 causal LMs (transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM).
+
+Pre-norm decoder layers of multi-head latent attention (engine/layers/mla.py) and either a dense gated MLP
+(the first `first_k_dense_replace` layers) or the routed MoE with shared experts (engine/layers/moe.py).
+The model chooses its own KV-cache layout (`kv_cache_spec` / `allocate_kv_cache`): one latent cache tensor
+per layer instead of per-head keys and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from deepinfer.engine.layers.linear import empty_param
+from deepinfer.engine.layers.mla import MLACacheSpec, MLAttention
+from deepinfer.engine.layers.mla_rope import DeepseekRotary
+from deepinfer.engine.layers.mlp import GatedMLP
+from deepinfer.engine.layers.moe import DeepseekMoE
+from deepinfer.engine.layers.norm import RMSNorm
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.models.deepseek_config import DEEPSEEK_V2, DeepseekConfig
+from deepinfer.engine.models.deepseek_weights import load_deepseek_weights
+from deepinfer.engine.models.weights import init_dummy_weights
+from deepinfer.kernels.metadata import AttentionMetadata
+from torch import nn
+
+
+def latent_cache_spec(cfg: DeepseekConfig, block_size: int, dtype: torch.dtype) -> MLACacheSpec:
+    """The KV-cache layout of `cfg` (no model needed): one latent + rope key entry per token and layer."""
+    mla = cfg.mla
+    return MLACacheSpec(cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, block_size, dtype)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, layer: int, rotary: DeepseekRotary, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, ops, dtype, device)
+        self.self_attn = MLAttention(cfg.mla, hidden, cfg.softmax_scale, rotary, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, ops, dtype, device)
+        if cfg.moe.is_moe_layer(layer):
+            self.mlp: nn.Module = DeepseekMoE(cfg.moe, hidden, cfg.mlp_bias, ops, dtype, device)
+        else:
+            self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.mlp_bias, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(h, rope, meta, cache)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekBody(nn.Module):
+    """Embeddings, decoder layers and the final norm (transformers' `model.*`)."""
+
+    def __init__(self, cfg: DeepseekConfig, rotary: DeepseekRotary, ops: Ops, dtype: torch.dtype,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, ops, dtype, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """A DeepSeek-V2/V3 LM over a flattened variable-length batch and a paged latent KV cache."""
+
+    def __init__(self, cfg: DeepseekConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None = None,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.dtype = dtype
+        mla = cfg.mla
+        self.rotary = DeepseekRotary(mla.qk_rope_head_dim, max_positions or cfg.max_position_embeddings,
+                                     cfg.rope_theta, cfg.yarn, interleave=mla.rope_interleave,
+                                     upcast=cfg.architecture == DEEPSEEK_V2, device=device)
+        self.model = DeepseekBody(cfg, self.rotary, ops, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the rotary table covers: a token's position must be below this."""
+        return self.rotary.max_positions
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLACacheSpec:
+        """The latent cache layout: kv_lora_rank + qk_rope_head_dim values per token and layer."""
+        return latent_cache_spec(self.config, block_size, dtype)
+
+    def allocate_kv_cache(self, spec: MLACacheSpec, num_blocks: int, device: torch.device | str
+                          ) -> list[torch.Tensor]:
+        """One zeroed [num_blocks, block_size, R + P] tensor per layer, what `forward` takes as kv_caches."""
+        return spec.allocate(num_blocks, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions int64 [T] -> final-normed hidden states [T, hidden].
+
+        kv_caches[i] is layer i's latent cache; this step's latents are written at meta.slot_mapping
+        before attention reads them.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
+                             f"{len(self.model.layers)} layers")
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        rope = self.rotary(positions, x.dtype)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, meta, cache)
+        x, _ = self.model.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] (already final-normed) -> float32 logits [S, vocab_size]."""
+        return self.ops.linear(hidden, self.lm_head.weight).to(torch.float32)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in (per-expert or fused experts; MTP layers skipped)."""
+        load_deepseek_weights(self, weights)
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Seeded random weights (benchmarks on real shapes without a checkpoint)."""
+        init_dummy_weights(self, seed)

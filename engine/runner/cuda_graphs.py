@@ -1,0 +1,207 @@
+"""CUDA graphs of the model's forward for pure-decode steps, one per batch-size bucket.
+
+A decode step of a small model is host-bound: hundreds of kernel launches from Python for a few ms of GPU
+work. Capturing the forward once per bucket (input_buffers.graph_buckets) and replaying it with padded
+inputs (input_buffers.pad_decode) costs one launch per step. Only the forward (embedding -> layers -> final
+norm) is captured; logits of the real rows and sampling run eagerly after it, since the sampler branches on
+the host per step and padding rows need no logits.
+
+Why the bits equal the eager path's: the deterministic kernels are row-independent (GEMM tiles never depend
+on M, RMSNorm per row, attention per sequence), the attention plan only maps programs to sequences, and the
+padding rows write no cache slot (input_buffers docstring). So a real row computes exactly what it computes
+in an eager step of any size.
+
+Captured at start-up, largest bucket first, all buckets sharing one memory pool (a replay's activations are
+dead once its step's logits are computed, which the stream orders before the next replay).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from deepinfer.engine.core.scheduler_output import SchedulerOutput
+from deepinfer.engine.runner.input_buffers import (
+    DecodeRow,
+    StaticDecodeBuffers,
+    graph_buckets,
+    pad_decode,
+    pick_bucket,
+)
+from deepinfer.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger("deepinfer.engine")
+
+
+def is_decode_step(out: SchedulerOutput) -> bool:
+    """True when every scheduled sequence computes exactly one token (and so samples it)."""
+    return bool(out.scheduled) and all(s.num_new_tokens == 1 for s in out.scheduled)
+
+
+@dataclass
+class GraphStats:
+    """What capture cost and how often graphs ran (LLM.get_stats reports these)."""
+
+    buckets: list[int] = field(default_factory=list)   # captured batch sizes, ascending
+    capture_seconds: float = 0.0                       # warm-up + capture of every bucket
+    memory_bytes: int = 0                              # device memory the graphs took (pool + executables)
+    replays: int = 0                                   # decode steps run by a graph
+    padded_rows: int = 0                               # padding rows those steps computed in all
+
+
+class DecodeGraphs:
+    """Captured decode forwards over fixed input buffers; `run` replays the one that fits a step."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
+                 max_num_seqs: int, device: torch.device, max_graph_batch: int = 256) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.buckets = graph_buckets(max_num_seqs, max_graph_batch)
+        max_blocks = -(-max_model_len // block_size)
+        self.buffers = StaticDecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.stats = GraphStats()
+        # bucket -> (captured graph, or a stand-in with .replay(); its static output hidden states)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerReplay, torch.Tensor]] = {}
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        buf = self.buffers
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:b], positions=buf.positions[:b],
+            query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b],
+            block_tables=buf.block_tables[:b], block_size=self.block_size, max_query_len=1,
+            max_seq_len=buf.block_tables.shape[1] * self.block_size,
+            query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, decode_plan=buf.plan[: 2 * b],
+        )
+
+    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        buf = self.buffers
+        return self.model(buf.input_ids[:b], buf.positions[:b], meta, self.kv_caches)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (Triton compiles, allocator pools) and capture every bucket, largest first.
+
+        The buffers hold padding while capturing (slot -1: nothing is written to the cache)."""
+        # Cached free blocks are released around the measurement so that the difference is the graphs' pool
+        # and executables only (torch.cuda.graph empties the cache on entry anyway).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            meta = self._meta(b)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(b, meta)   # warm-up outside capture: compiles kernels, fills caches
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a CUDA call from another thread (a grammar worker of another engine) must not
+            # invalidate this capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                hidden = self._forward(b, meta)
+            self._graphs[b] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.stats.buckets = list(self.buckets)
+        self.stats.capture_seconds = time.perf_counter() - t0
+        self.stats.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        logger.info("captured %d CUDA graphs (decode batch sizes %s..%s) in %.2f s, %.1f MiB",
+                    len(self.buckets), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
+                    self.stats.memory_bytes / 2**20)
+
+    @torch.inference_mode()
+    def stand_in_replays(self) -> None:
+        """Instead of capturing, make each bucket's "replay" run the forward eagerly into a fixed output
+        tensor, as a graph writes its static output: the graph path without CUDA (CPU tests)."""
+        for b in self.buckets:
+            replay = _EagerReplay(self, b)
+            self._graphs[b] = (replay, replay.out)
+        self.stats.buckets = list(self.buckets)
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        """Whether a captured graph can run this step (pure decode, no more rows than the largest bucket)."""
+        return bool(self._graphs) and is_decode_step(out) and len(out.scheduled) <= self.buckets[-1]
+
+    def stage(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]],
+              prev_ids: torch.Tensor | None) -> int:
+        """Copy decode step `out` into the static buffers, padded to its bucket; returns the bucket.
+
+        pending_rows: (row, index into prev_ids) for rows whose input token is still on the device (the
+        overlapped loop's placeholders); prev_ids: the previous step's sampled ids (device int64)."""
+        rows = [DecodeRow(s.seq.token_at(s.start), s.start, s.seq.block_table) for s in out.scheduled]
+        b = pick_bucket(self.buckets, len(rows))
+        if b is None:
+            raise ValueError(f"decode step of {len(rows)} rows exceeds the largest bucket {self.buckets[-1]}")
+        self.buffers.load(pad_decode(rows, b, self.block_size))
+        if pending_rows:
+            assert prev_ids is not None
+            dst, src = zip(*pending_rows)
+            dst_t = _index_tensor(dst, self.device)
+            src_t = _index_tensor(src, self.device)
+            self.buffers.input_ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
+        return b
+
+    def run(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]],
+            prev_ids: torch.Tensor | None) -> torch.Tensor:
+        """Replay the graph for decode step `out` (arguments as for `stage`); returns the final hidden
+        states [n, hidden] of its rows, a view of the graph's static output."""
+        b = self.stage(out, pending_rows, prev_ids)
+        n = len(out.scheduled)
+        graph, hidden = self._graphs[b]
+        graph.replay()
+        self.stats.replays += 1
+        self.stats.padded_rows += b - n
+        return hidden[:n]
+
+    def forward_eagerly(self, b: int) -> torch.Tensor:
+        """The captured computation of bucket `b` run eagerly on the staged buffers (tests, CPU)."""
+        return self._forward(b, self._meta(b))
+
+
+class _EagerReplay:
+    """`replay()` recomputes bucket b's forward into the fixed tensor `out` (see stand_in_replays)."""
+
+    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
+        self.graphs, self.b = graphs, b
+        self.out = graphs.forward_eagerly(b)
+
+    def replay(self) -> None:
+        self.out.copy_(self.graphs.forward_eagerly(self.b))
+
+
+def _index_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def env_flag(name: str) -> bool:
+    """True when environment variable `name` is set to 1/true/yes/on (case-insensitive)."""
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the model's decode forward is capturable: the dense decoder family on CUDA (its ops launch
+    kernels only, no host reads). Other models (e.g. MLA, whose reference path reads lengths on the host)
+    run eagerly."""
+    from deepinfer.engine.models.decoder import CausalLM
+
+    return device.type == "cuda" and type(model) is CausalLM   # exactly: a subclass may add host work
+
+
+def make_decode_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
+                       max_num_seqs: int, device: torch.device, enable: bool) -> DecodeGraphs | None:
+    """Captured decode graphs when enabled, supported and not turned off by DEEPINFER_DISABLE_CUDA_GRAPHS=1;
+    else None (steps run eagerly). CPU engines always get None."""
+    if not enable or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS") or not graphs_supported(model, device):
+        return None
+    graphs = DecodeGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, device)
+    graphs.capture()
+    return graphs

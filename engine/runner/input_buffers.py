@@ -1,0 +1,143 @@
+"""Inputs of a CUDA-graph decode step: batch-size buckets, padded host arrays, static device buffers.
+
+A captured graph replays fixed kernels on fixed addresses, so a decode step of n sequences runs the graph of
+the smallest bucket B >= n with its inputs copied into static buffers and rows n..B-1 filled with padding:
+token 0 at position 0, cache slot -1 (store_kv skips negative slots, so padding never writes the cache),
+context length 1 and a block table of zeros (attention reads position 0 of block 0, a valid block whose
+contents only reach the padding row's own output). Every batch-invariant op treats rows independently, so
+padding never changes a real row's bits.
+
+The functions here are pure (numpy in, numpy out) so that the bucket and padding rules are tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Buckets grow by this step past the powers of two below it: at most STEP - 1 padding rows per step.
+BUCKET_STEP = 16
+# Padding values (see the module docstring).
+PAD_TOKEN_ID = 0
+PAD_POSITION = 0
+PAD_SLOT = -1
+PAD_SEQ_LEN = 1
+PAD_BLOCK = 0
+
+
+def graph_buckets(max_num_seqs: int, max_graph_batch: int = 256) -> list[int]:
+    """Batch sizes to capture, ascending: 1, 2, 4, 8, then multiples of BUCKET_STEP, ending exactly at
+    min(max_num_seqs, max_graph_batch) so the largest decode batch the scheduler can form needs no more."""
+    if max_num_seqs < 1 or max_graph_batch < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}, max_graph_batch={max_graph_batch}: must be >= 1")
+    top = min(max_num_seqs, max_graph_batch)
+    small = [b for b in (1, 2, 4, 8) if b < top]
+    steps = list(range(BUCKET_STEP, top, BUCKET_STEP))
+    return sorted(set(small + steps + [top]))
+
+
+def pick_bucket(buckets: Sequence[int], num_seqs: int) -> int | None:
+    """The smallest bucket holding `num_seqs` rows (buckets ascending), or None when none does."""
+    if num_seqs < 1:
+        return None
+    for b in buckets:
+        if b >= num_seqs:
+            return b
+    return None
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One real sequence of a decode step (it computes exactly one token)."""
+
+    token_id: int              # the input token (PENDING_TOKEN when it is read from the previous step)
+    position: int              # its absolute position
+    block_table: list[int]     # the sequence's KV blocks (covers `position`)
+
+
+@dataclass
+class PaddedDecode:
+    """Host arrays of one padded decode step of `bucket` rows; rows >= num_real are padding."""
+
+    num_real: int
+    bucket: int
+    input_ids: np.ndarray      # int64 [bucket]
+    positions: np.ndarray      # int64 [bucket]
+    slot_mapping: np.ndarray   # int64 [bucket]: PAD_SLOT on padding rows
+    seq_lens: np.ndarray       # int32 [bucket]: position + 1; PAD_SEQ_LEN on padding rows
+    block_tables: np.ndarray   # int32 [bucket, width]: each table padded with PAD_BLOCK
+
+
+def pad_decode(rows: Sequence[DecodeRow], bucket: int, block_size: int) -> PaddedDecode:
+    """The padded inputs of a decode step; `width` = the longest block table (at least 1)."""
+    n = len(rows)
+    if not 0 < n <= bucket:
+        raise ValueError(f"{n} rows do not fit a bucket of {bucket}")
+    width = max(1, max(len(r.block_table) for r in rows))
+    ids = np.full(bucket, PAD_TOKEN_ID, dtype=np.int64)
+    pos = np.full(bucket, PAD_POSITION, dtype=np.int64)
+    slots = np.full(bucket, PAD_SLOT, dtype=np.int64)
+    lens = np.full(bucket, PAD_SEQ_LEN, dtype=np.int32)
+    tables = np.full((bucket, width), PAD_BLOCK, dtype=np.int32)
+    for b, r in enumerate(rows):
+        block = r.position // block_size
+        if block >= len(r.block_table):
+            raise ValueError(f"row {b}: position {r.position} is past its {len(r.block_table)} blocks")
+        ids[b] = r.token_id
+        pos[b] = r.position
+        slots[b] = r.block_table[block] * block_size + r.position % block_size
+        lens[b] = r.position + 1
+        tables[b, : len(r.block_table)] = r.block_table
+    return PaddedDecode(n, bucket, ids, pos, slots, lens, tables)
+
+
+def decode_plan(num_seqs: int) -> np.ndarray:
+    """The paged-attention program map of a decode step: program b -> (sequence b, query block 0).
+
+    With one query token per sequence every program's work is one sequence, and which program handles
+    which sequence never changes a result, so this plan is constant and can live in a static buffer."""
+    plan = np.zeros(2 * num_seqs, dtype=np.int32)
+    plan[0::2] = np.arange(num_seqs, dtype=np.int32)
+    return plan
+
+
+class StaticDecodeBuffers:
+    """Device buffers a captured decode graph reads; `load` copies one padded step into them.
+
+    query_start_loc (0, 1, ..., B) and the attention plan never change and are written once here.
+    """
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.max_batch = max_batch
+        self.input_ids = zeros(max_batch, dtype=torch.int64)
+        self.positions = zeros(max_batch, dtype=torch.int64)
+        self.slot_mapping = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((max_batch,), PAD_SEQ_LEN, dtype=torch.int32, device=device)
+        # Zeros are valid block ids; stale columns past a row's table are never read (attention stops at
+        # the row's own position), so `load` writes only the columns in use.
+        self.block_tables = zeros(max_batch, max_blocks_per_seq, dtype=torch.int32)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.plan = torch.from_numpy(decode_plan(max_batch)).to(device)
+
+    def load(self, step: PaddedDecode) -> None:
+        """Copy `step` into the first `step.bucket` rows (asynchronously, from pinned staging on CUDA)."""
+        b = step.bucket
+        width = step.block_tables.shape[1]
+        if b > self.max_batch or width > self.block_tables.shape[1]:
+            raise ValueError(f"step of {b} rows x {width} blocks exceeds the buffers "
+                             f"({self.max_batch} x {self.block_tables.shape[1]})")
+        pairs = ((self.input_ids[:b], step.input_ids), (self.positions[:b], step.positions),
+                 (self.slot_mapping[:b], step.slot_mapping), (self.seq_lens[:b], step.seq_lens),
+                 (self.block_tables[:b, :width], step.block_tables))
+        for dst, src in pairs:
+            host = torch.from_numpy(src)
+            if dst.is_cuda:
+                # The caching host allocator keeps a pinned block alive until its copy has run.
+                host = host.pin_memory()
+            dst.copy_(host, non_blocking=True)

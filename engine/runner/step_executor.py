@@ -1,0 +1,162 @@
+"""One engine step on the device in two launches, so the overlapped loop (core/overlap.py) can put host work
+between them: `forward` (the model over the scheduled tokens; a CUDA graph for pure-decode steps) and
+`sample` (logits of the rows still alive -> token ids). Neither waits for the device, except the logprobs of
+requests that ask for them; `SampledTokens.resolve` is the one small device -> host read of a step.
+
+The synchronous step (`execute`) is the same two launches with the read right after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.sample.metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from deepinfer.engine.runner.cuda_graphs import DecodeGraphs
+    from deepinfer.engine.runner.model_runner import ModelRunner
+    from deepinfer.engine.structured.manager import StepMasks
+
+
+@dataclass
+class SampledTokens:
+    """The token ids one step sampled: on the device at once, on the host after `resolve`."""
+
+    seq_ids: list[int]                 # row i was sampled for sequence seq_ids[i]
+    device_ids: torch.Tensor           # int64 [S] on the device: the next step reads its inputs here
+    logprobs: list[dict[int, float] | None]   # per row (already on the host), None where not requested
+    host_ids: torch.Tensor | None      # pinned int64 [S] the ids are being copied into (CUDA); None on CPU
+    ready: torch.cuda.Event | None     # recorded after that copy
+
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> row in device_ids."""
+        return {sid: i for i, sid in enumerate(self.seq_ids)}
+
+    def resolve(self) -> ModelRunnerOutput:
+        """Wait for the ids (only this step's copy, not later work) and hand them to the scheduler."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids = self.host_ids if self.host_ids is not None else self.device_ids
+        return ModelRunnerOutput(seq_ids=list(self.seq_ids), token_ids=ids.tolist(), logprobs=self.logprobs)
+
+
+@dataclass
+class ForwardPass:
+    """A launched forward: the final hidden state of each sampling row of the step."""
+
+    out: SchedulerOutput
+    # [S, hidden], row i = out.sampled[i]; empty when nothing samples. May be a graph's static output, valid
+    # until the next forward is launched (the stream orders that after this step's sampling).
+    hidden: torch.Tensor
+
+
+def pending_inputs(out: SchedulerOutput, prev: SampledTokens | None) -> list[tuple[int, int]]:
+    """(flat token index, row in prev.device_ids) of every input token that is a placeholder.
+
+    Only a sequence's last token can be pending (update resolves a step's tokens before the next is
+    sampled), so at most one per scheduled sequence, and only when this step's range covers it."""
+    rows = prev.row_of() if prev is not None else {}
+    found: list[tuple[int, int]] = []
+    offset = 0
+    for s in out.scheduled:
+        seq = s.seq
+        if seq.has_pending_token:
+            last = seq.num_tokens - 1
+            if s.start <= last < s.start + s.num_new_tokens:
+                j = rows.get(seq.seq_id)
+                if j is None:
+                    raise RuntimeError(f"seq {seq.seq_id}: pending input but no step in flight sampled it")
+                found.append((offset + last - s.start, j))
+        offset += s.num_new_tokens
+    return found
+
+
+class StepExecutor:
+    """Runs steps on a ModelRunner's model, cache and sampler; `graphs` (CUDA) serves pure-decode steps."""
+
+    def __init__(self, runner: ModelRunner, graphs: DecodeGraphs | None = None) -> None:
+        self.runner = runner
+        self.graphs = graphs
+        self.eager_steps = 0
+        self.graph_steps = 0
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        dev = self.runner.device
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> ForwardPass:
+        """Launch the model over `out`; placeholder inputs are read from `prev` on the device."""
+        r = self.runner
+        pending = pending_inputs(out, prev)
+        prev_ids = prev.device_ids if prev is not None else None
+        if self.graphs is not None and self.graphs.fits(out):
+            self.graph_steps += 1
+            return ForwardPass(out, self.graphs.run(out, pending, prev_ids))
+        self.eager_steps += 1
+        batch = r.prepare(out)
+        ids = batch.input_ids
+        if pending:
+            dst, src = zip(*pending)
+            ids.index_copy_(0, self._index(list(dst)), prev_ids.index_select(0, self._index(list(src))))
+        hidden = r.model(ids, batch.positions, batch.meta, r.kv_caches)
+        return ForwardPass(out, hidden[batch.sample_indices])
+
+    @torch.inference_mode()
+    def sample(self, fwd: ForwardPass, seqs: list[Sequence], masks: StepMasks | None = None,
+               masks_started: bool = False) -> SampledTokens:
+        """Launch sampling for `seqs`, a subset of fwd.out's sampling sequences in batch order (the overlapped
+        loop drops those found finished since the forward was launched). Masks are started here unless the
+        caller started them (`masks_started`) while the forward ran."""
+        r = self.runner
+        if not seqs:
+            return SampledTokens([], torch.empty(0, dtype=torch.int64, device=r.device), [], None, None)
+        hidden = fwd.hidden
+        sampled = fwd.out.sampled
+        if len(seqs) != len(sampled):
+            row = {s.seq.seq_id: i for i, s in enumerate(sampled)}
+            hidden = hidden.index_select(0, self._index([row[s.seq_id] for s in seqs]))
+        if not masks_started and r.structured is not None:
+            masks = r.structured.masks_for(seqs)
+        logits = r.model.compute_logits(hidden)
+        if logits.shape[-1] > r.vocab_size:
+            logits = logits[:, : r.vocab_size]
+        if masks is not None:
+            masks.apply(logits)
+        meta = SamplingMetadata.from_sequences(seqs, logits.shape[-1], r.device)
+        result = r.sampler(logits, meta)
+        ids = result.token_ids
+        host, ready = None, None
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return SampledTokens([s.seq_id for s in seqs], ids, result.logprobs, host, ready)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The synchronous step: forward and sample every sampling sequence, then read the ids."""
+        seqs = [s.seq for s in out.sampled]
+        r = self.runner
+        # Grammar masks are filled on CPU threads while the device runs the forward pass.
+        masks = r.structured.masks_for(seqs) if r.structured is not None and seqs else None
+        fwd = self.forward(out)
+        return self.sample(fwd, seqs, masks, masks_started=True).resolve()
+
+    def stats(self) -> dict[str, float | int | list[int]]:
+        """Step counters and the graphs' capture cost."""
+        g = self.graphs.stats if self.graphs is not None else None
+        return {
+            "eager_steps": self.eager_steps,
+            "graph_steps": self.graph_steps,
+            "cuda_graphs_enabled": g is not None,
+            "cuda_graph_buckets": list(g.buckets) if g else [],
+            "cuda_graph_capture_s": g.capture_seconds if g else 0.0,
+            "cuda_graph_memory_bytes": g.memory_bytes if g else 0,
+            "cuda_graph_padded_rows": g.padded_rows if g else 0,
+        }
