@@ -125,7 +125,8 @@ def test_kills_on_s3_resume_byte_identical(job, reference, monkeypatch):
             monkeypatch.setenv(k, v)
         url = s3.url("chaos")
         proc = start_submit(job[0], url, env=s3.env)
-        assert kill_after_commits(proc, reader(url, s3.storage_options), 5, 0.1)
+        # Early in the run: under load a late threshold can be passed by a run that then simply finishes.
+        assert kill_after_commits(proc, reader(url, s3.storage_options), 2, 0.0)
         code, _, err = submit(job[0], url, env=s3.env, kill_at="after_part_data_written:3")
         assert code == -signal.SIGKILL, err[-3000:]
         code, _, err = submit(job[0], url, env=s3.env)
