@@ -15,6 +15,12 @@ Model: --shape writes a random-weight Llama-family checkpoint (safetensors, bf16
 tokenizer; --model uses a local checkpoint. Prompts are demo-corpus text of mixed lengths (--min-words ..
 --max-words, seeded), outputs forced to --output-len tokens (ignore_eos) so every arm does the same work.
 Record results in benchmarks/RESULTS.md with the command, date and GPU.
+
+Repetitions: the engine arm warms up once then runs `--runs` times in one process; the pipeline arms run
+one unmeasured warm-up submit (page cache, kernel caches on disk), then `--runs` rounds in which the
+arms alternate (sorted, unsorted, sorted, ...), each into a fresh output path. Medians and min/max are
+reported. `--profile-steps` adds one profiled engine run: GPU busy fraction and host ms per decode step.
+`--out X` writes the summary to X and one JSON line per run to X.jsonl.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import JsonOut, StepRecorder, spread
 
 SHAPES = {
     "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -97,39 +105,55 @@ def spec_doc(model_dir: str, data: Path, out: Path, args: argparse.Namespace, so
     }
 
 
-def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace) -> dict:
+def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace, out: JsonOut) -> dict:
     import torch
     from deepinfer.engine import LLM, SamplingParams
     from deepinfer.engine.text.tokenizer import Tokenizer
 
     texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
     prompts = Tokenizer.from_dir(model_dir).encode_batch(texts)
+    # No prefix cache: repeated runs over the same rows would otherwise skip their prefill.
     llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    rec = StepRecorder(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], sp, use_tqdm=False)  # warm-up (kernels compiled, cache touched)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    n_out = sum(len(o.token_ids) for o in outs)
-    # The pipeline arms run in subprocesses that need the GPU memory this engine holds.
-    del llm, outs
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"arm": "engine", "seconds": seconds, "output_tokens": n_out,
-            "prompt_tokens": sum(map(len, prompts)), "output_tokens_per_s": n_out / seconds}
+
+    def one() -> tuple[float, int]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        rec.end()
+        return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+    one()  # warm-up: every kernel shape of the measured runs compiled and seen once
+    rec.reset()
+    seconds = []
+    for i in range(args.runs):
+        dt, n_out = one()
+        seconds.append(dt)
+        out.line({"arm": "engine", "run": i, "seconds": dt, "output_tokens": n_out})
+    result = {"arm": "engine", "seconds": spread(seconds), "output_tokens": n_out,
+              "prompt_tokens": sum(map(len, prompts)), "steps": rec.host_summary()}
+    if args.profile_steps:
+        rec.reset()
+        with rec.profiled():
+            one()
+        result["profile"] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+    # The pipeline arms run in subprocesses that need the GPU memory this engine holds: the engine goes
+    # with this frame, and main() collects it.
+    return result
 
 
-def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argparse.Namespace) -> dict:
+def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argparse.Namespace,
+                 tag: str) -> dict:
     import yaml
 
-    out = root / f"out-{arm}"
-    spec = root / f"{arm}.yaml"
+    out = root / f"out-{arm}-{tag}"  # a fresh output path per run: never a resume of an earlier one
+    spec = root / f"{arm}-{tag}.yaml"
     window = args.rows if arm == "sorted" else 1
     spec.write_text(yaml.safe_dump(spec_doc(model_dir, data, out, args, window)))
-    summary_path = root / f"{arm}-summary.json"
+    summary_path = root / f"{arm}-{tag}-summary.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "deepinfer.pipeline.cli", "submit", str(spec),
                            "--summary-json", str(summary_path)], capture_output=True, text=True)
@@ -158,29 +182,53 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=None, help="engine actors (default: one per GPU)")
     ap.add_argument("--arms", default="engine,sorted,unsorted")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up")
+    ap.add_argument("--no-pipeline-warmup", action="store_true", help="skip the unmeasured first submit")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="one more profiled engine run: GPU busy fraction and host ms per decode step")
+    ap.add_argument("--out", help="summary JSON here, one line per run in OUT.jsonl")
     args = ap.parse_args()
 
+    out = JsonOut(args.out)
+    arms = args.arms.split(",")
+    pipeline_arms = [a for a in arms if a != "engine"]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         root = Path(tmp)
         model_dir = args.model or str(write_random_checkpoint(args.shape, root))
         data = root / "rows.jsonl"
         write_rows(data, args.rows, args.min_words, args.max_words, args.seed)
-        results = []
-        for arm in args.arms.split(","):
-            r = run_engine_alone(model_dir, data, args) if arm == "engine" else run_pipeline(
-                arm, model_dir, data, root, args)
-            print(f"{arm:9s} {r['seconds']:8.1f} s  {r['output_tokens']:9d} out tokens  "
-                  f"{r['output_tokens_per_s']:10.0f} out tok/s", flush=True)
-            results.append(r)
-    base = next((r for r in results if r["arm"] == "engine"), None)
+        results: dict[str, dict] = {}
+        if "engine" in arms:
+            results["engine"] = run_engine_alone(model_dir, data, args, out)
+            gc.collect()
+            import torch
+
+            torch.cuda.empty_cache()
+        if pipeline_arms and not args.no_pipeline_warmup:
+            run_pipeline(pipeline_arms[0], model_dir, data, root, args, "warmup")
+        per_arm: dict[str, list[dict]] = {a: [] for a in pipeline_arms}
+        for i in range(args.runs):
+            for arm in pipeline_arms:  # alternate arms so drift on the machine falls on all alike
+                r = run_pipeline(arm, model_dir, data, root, args, f"run{i}")
+                per_arm[arm].append(r)
+                out.line({"run": i, **r})
+        for arm, rs in per_arm.items():
+            results[arm] = {"arm": arm, "seconds": spread([r["seconds"] for r in rs]),
+                            "job_wall_seconds": spread([r["job_wall_seconds"] for r in rs]),
+                            "output_tokens": rs[0]["output_tokens"], "prompt_tokens": rs[0]["prompt_tokens"],
+                            "engines": rs[0]["engines"]}
+    for r in results.values():
+        r["output_tokens_per_s"] = spread([r["output_tokens"] / s for s in r["seconds"]["runs"]])
+        print(f"{r['arm']:9s} median {r['seconds']['median']:8.1f} s (min {r['seconds']['min']:.1f}, max "
+              f"{r['seconds']['max']:.1f})  {r['output_tokens']:9d} out tokens  "
+              f"{r['output_tokens_per_s']['median']:10.0f} out tok/s", flush=True)
+    base = results.get("engine")
     if base is not None:
-        for r in results:
-            r["vs_engine"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-            print(f"{r['arm']:9s} {r['vs_engine']:.2f}x the engine alone")
-    report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "results": results}
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        for r in results.values():
+            r["vs_engine"] = r["output_tokens_per_s"]["median"] / base["output_tokens_per_s"]["median"]
+            print(f"{r['arm']:9s} {r['vs_engine']:.2f}x the engine alone (medians)")
+    out.summary({"bench": "pipeline", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -7,18 +7,28 @@ The unconstrained run is given, per request, the number of tokens the constraine
 Random weights (`load_format="dummy"`), random-token prompts. Constrained requests end when their grammar
 completes, so the figure compared is output tokens per second (and seconds per engine step), not
 wall time. Also reports the schema's compile time (first compile, then a cache hit).
+
+Vocabulary: by default a real 128,256-entry byte-level BPE trained with `tokenizers` (bigtok.py: the
+shipped corpus expanded deterministically, cached under the temp dir), and the model's vocab_size is the
+tokenizer's, so every logits column is a real token the grammar must decide on. `--tokenizer demo` uses the
+earlier setup (the 576-id demo BPE inside a 128,256-wide row) for comparison with older results.
+After a warm-up of each arm, the arms alternate (unconstrained, constrained, unconstrained, ...) for
+`--runs` pairs; medians, min/max and the median of the per-pair slowdowns are reported. Needs llguidance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from shapes import write_shape
+from common import JsonOut, StepRecorder, spread, sync
+from shapes import SHAPES, write_shape
 
 SCHEMA = {
     "type": "object",
@@ -33,12 +43,34 @@ SCHEMA = {
 }
 
 
-def run(llm, prompts, params) -> dict:
-    torch.cuda.synchronize()
+def model_dir_for(shape: str, tokenizer: str, root: Path) -> Path:
+    """The shape's config + tokenizer; with the 128k BPE, vocab_size is the tokenizer's own size."""
+    if tokenizer == "demo":
+        return write_shape(shape, root)
+    import shutil
+
+    from bigtok import build_tokenizer_dir
+
+    tok_dir = build_tokenizer_dir()
+    d = root / f"{shape}-bpe"
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, d / name)
+    vocab = len(json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    cfg = dict(SHAPES[shape], vocab_size=vocab)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
+    return d
+
+
+def run(llm, prompts, params, rec: StepRecorder | None = None) -> dict:
+    sync()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
+    if rec is not None:
+        rec.end()
     n = sum(len(o.token_ids) for o in outs)
     return {"seconds": dt, "output_tokens": n, "out_tok_s": n / dt, "outputs": outs}
 
@@ -81,20 +113,29 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--tokenizer", choices=["bpe128k", "demo"], default="bpe128k")
+    ap.add_argument("--runs", type=int, default=3, help="measured (unconstrained, constrained) pairs")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="one more profiled pair: GPU busy fraction and host ms per decode step")
+    ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
     args = ap.parse_args()
 
     from deepinfer.engine import LLM, SamplingParams
 
-    from tests.support.check import output_satisfies
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.support
+    from tests.support.check import output_satisfies  # needs jsonschema
 
-    model_dir = write_shape(args.shape, Path(tempfile.mkdtemp()))
+    out = JsonOut(args.out)
+    t0 = time.perf_counter()
+    model_dir = model_dir_for(args.shape, args.tokenizer, Path(tempfile.mkdtemp()))
+    tokenizer_s = time.perf_counter() - t0
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.num_prompts,
               gpu_memory_utilization=0.85)
+    rec = StepRecorder(llm)
     t0 = time.perf_counter()
     _ = llm.structured  # the manager is built here (tokenizer vocabulary processing)
     build_s = time.perf_counter() - t0
@@ -112,27 +153,54 @@ def main() -> None:
     # both runs have the same batch shape at every step and the difference is the cost of the masks.
     sp_free = [SamplingParams(temperature=1.0, seed=i, max_tokens=max(1, len(o.token_ids)), ignore_eos=True)
                for i, o in enumerate(warm["outputs"])]
-    free = run(llm, prompts, sp_free)
-    cons = run(llm, prompts, sp_json)
-    assert [o.token_ids for o in cons["outputs"]] == [o.token_ids for o in warm["outputs"]]
+    run(llm, prompts, sp_free)  # warm-up of the unconstrained arm
+    arms = {"unconstrained": sp_free, "json_schema": sp_json}
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    steps: dict[str, dict] = {}
+    cons = None
+    for i in range(args.runs):
+        for arm, params in arms.items():  # ABAB...: drift on a shared machine falls on both arms alike
+            rec.reset()
+            r = run(llm, prompts, params, rec)
+            steps[arm] = rec.host_summary()
+            if arm == "json_schema":
+                assert [o.token_ids for o in r["outputs"]] == [o.token_ids for o in warm["outputs"]]
+                cons = r
+            row = {k: v for k, v in r.items() if k != "outputs"}
+            runs[arm].append(row)
+            out.line({"arm": arm, "run": i, **row})
     finished = [o for o in cons["outputs"] if o.finish_reason == "stop"]
     valid = sum(output_satisfies("json_schema", SCHEMA, o.text) for o in finished)
     costs = mask_costs(llm, sp_json, vocab)
+    tps = {a: [r["out_tok_s"] for r in rs] for a, rs in runs.items()}
+    pair_slowdowns = [1 - c / f for f, c in zip(tps["unconstrained"], tps["json_schema"])]
     result = {
-        "host_costs_ms_per_step": costs,
+        "bench": "structured", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host_costs_ms_per_step": costs, "tokenizer": args.tokenizer, "vocab_size": vocab,
+        "tokenizer_build_s": tokenizer_s,
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "num_prompts": args.num_prompts,
-        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": args.runs,
         "manager_build_s": build_s, "schema_compile_s": compile_s, "schema_cached_s": cached_s,
         "json_schema_first_pass_s": warm["seconds"],
-        "unconstrained": {k: v for k, v in free.items() if k != "outputs"},
-        "json_schema": {k: v for k, v in cons.items() if k != "outputs"},
+        "unconstrained": {"seconds": spread([r["seconds"] for r in runs["unconstrained"]]),
+                          "out_tok_s": spread(tps["unconstrained"]), "steps": steps.get("unconstrained")},
+        "json_schema": {"seconds": spread([r["seconds"] for r in runs["json_schema"]]),
+                        "out_tok_s": spread(tps["json_schema"]), "steps": steps.get("json_schema"),
+                        "output_tokens": cons["output_tokens"]},
         "finished": len(finished), "finished_valid": valid,
-        "slowdown": 1 - cons["out_tok_s"] / free["out_tok_s"],
+        "slowdown": 1 - statistics.median(tps["json_schema"]) / statistics.median(tps["unconstrained"]),
+        "pair_slowdowns": spread(pair_slowdowns),
     }
-    print(json.dumps(result, indent=1))
+    if args.profile_steps:
+        prof: dict[str, dict] = {}
+        for arm, params in arms.items():
+            rec.reset()
+            with rec.profiled():
+                run(llm, prompts, params, rec)
+            prof[arm] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+        result["profile"] = prof
     print("example:", cons["outputs"][0].text[:200])
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    out.summary(result)
 
 
 if __name__ == "__main__":

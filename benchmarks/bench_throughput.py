@@ -2,6 +2,11 @@
 
 Run on a CUDA machine:
     python benchmarks/bench_throughput.py --shape llama-3.1-8b --num-prompts 256 --out results.json
+    python benchmarks/bench_throughput.py --shape qwen2.5-0.5b --profile-steps --out tp_qwen.json
+
+Each arm loads once, runs one full warm-up, then `--runs` measured runs (median, min, max reported).
+`--profile-steps` adds one profiled run per deepinfer mode: GPU busy fraction and host ms per decode step.
+`--out X` writes the summary to X and one JSON line per run to X.jsonl.
 
 Random weights (deepinfer: `load_format="dummy"`; HF: `from_config`), prompts of random token ids,
 every request forced to `--output-len` tokens (ignore_eos / min_new_tokens). The compute ceiling is
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import JsonOut, StepRecorder, spread, sync
 from shapes import PARAMS, write_shape
 
 CEILING_FLOPS = 780e12
@@ -28,24 +34,50 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool) -> dict:
+def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
+                    profile_steps: bool, out: JsonOut, mode: str) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
               max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rec = StepRecorder(llm)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    n_out = sum(len(o.token_ids) for o in outs)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"seconds": dt, "output_tokens": n_out, "tokens": [o.token_ids[:8] for o in outs[:4]]}
+
+    def one() -> tuple[float, list]:
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        sync()
+        rec.end()
+        return time.perf_counter() - t0, outs
+
+    one()  # full-size warm-up: every batch shape of the measured runs has been seen once
+    rec.reset()
+    seconds, first = [], None
+    for i in range(runs):
+        dt, outs = one()
+        seconds.append(dt)
+        toks = [o.token_ids for o in outs]
+        first = first or toks
+        out.line({"arm": mode, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
+                  "same_tokens_as_run0": toks == first})
+    n_out = sum(map(len, first))
+    result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
+              "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
+    if profile_steps:
+        rec.reset()
+        with rec.profiled():
+            dt, _ = one()
+        result["profile"] = {"seconds": dt, "per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+    return result  # the engine goes with this frame; main() then frees its GPU memory
+
+
+def _stats(llm) -> dict:
+    """The engine's own counters (loop mode, CUDA-graph buckets) when this version has them."""
+    get = getattr(llm, "get_stats", None)
+    return get() if get is not None else {}
 
 
 def profile_deepinfer(model_dir: Path, prompts, deterministic: bool, out: str | None) -> None:
@@ -75,30 +107,36 @@ def profile_deepinfer(model_dir: Path, prompts, deterministic: bool, out: str | 
     torch.cuda.empty_cache()
 
 
-def bench_hf(model_dir: Path, prompts, output_len: int, batch: int) -> dict:
+def bench_hf(model_dir: Path, prompts, output_len: int, batch: int, runs: int, out: JsonOut) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
     ids_all = torch.tensor(prompts, device="cuda")
-    with torch.no_grad():
-        model.generate(ids_all[:2], attention_mask=torch.ones_like(ids_all[:2]), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+
+    def one() -> tuple[float, int]:
+        sync()
         t0 = time.perf_counter()
         n_out = 0
         for i in range(0, len(prompts), batch):
             ids = ids_all[i:i + batch]
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-            n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"seconds": dt, "output_tokens": n_out}
+            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                               min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            n_out += (o.shape[1] - ids.shape[1]) * ids.shape[0]
+        sync()
+        return time.perf_counter() - t0, n_out
+
+    with torch.no_grad():
+        model.generate(ids_all[:2], attention_mask=torch.ones_like(ids_all[:2]), max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+        one()  # full-size warm-up, as for deepinfer
+        seconds = []
+        for i in range(runs):
+            dt, n_out = one()
+            seconds.append(dt)
+            out.line({"arm": "hf", "run": i, "seconds": dt, "output_tokens": n_out})
+    return {"seconds": spread(seconds), "output_tokens": n_out}
 
 
 def main() -> None:
@@ -109,7 +147,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
+    ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table here and exit")
     args = ap.parse_args()
 
@@ -120,36 +161,38 @@ def main() -> None:
     if args.profile:
         profile_deepinfer(model_dir, prompts, deterministic=True, out=args.profile)
         return
+    out = JsonOut(args.out)
     total_in = args.num_prompts * args.prompt_len
     ceiling = CEILING_FLOPS / (2 * PARAMS[args.shape])
     rows = {}
     for mode in args.modes.split(","):
         if mode == "hf":
-            r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch)
+            r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
-            r = bench_deepinfer(model_dir, prompts, args.output_len, deterministic=(mode == "deterministic"))
-        r["out_tok_s"] = r["output_tokens"] / r["seconds"]
-        r["total_tok_s"] = (r["output_tokens"] + total_in) / r["seconds"]
-        r["share_of_ceiling"] = r["total_tok_s"] / ceiling
+            r = bench_deepinfer(model_dir, prompts, args.output_len, mode == "deterministic", args.runs,
+                                args.profile_steps, out, mode)
+        gc.collect()
+        torch.cuda.empty_cache()
+        secs = r["seconds"]["runs"]
+        r["out_tok_s"] = spread([r["output_tokens"] / s for s in secs])
+        r["total_tok_s"] = spread([(r["output_tokens"] + total_in) / s for s in secs])
+        r["share_of_ceiling"] = r["total_tok_s"]["median"] / ceiling
         rows[mode] = r
-        print(f"{args.shape} {mode}: {r['seconds']:.1f}s out {r['out_tok_s']:.0f} tok/s "
-              f"total {r['total_tok_s']:.0f} tok/s ({100 * r['share_of_ceiling']:.1f}% of ceiling)",
-              flush=True)
+        o = r["out_tok_s"]
+        print(f"{args.shape} {mode}: median {r['seconds']['median']:.2f}s out {o['median']:.0f} tok/s "
+              f"(min {o['min']:.0f}, max {o['max']:.0f}) total {r['total_tok_s']['median']:.0f} tok/s "
+              f"({100 * r['share_of_ceiling']:.1f}% of ceiling)", flush=True)
     if "hf" in rows:
         for r in rows.values():
-            r["ratio_to_hf"] = r["out_tok_s"] / rows["hf"]["out_tok_s"]
+            r["ratio_to_hf"] = r["out_tok_s"]["median"] / rows["hf"]["out_tok_s"]["median"]
     if "deterministic" in rows and "fast" in rows:
-        det, fast = rows["deterministic"]["out_tok_s"], rows["fast"]["out_tok_s"]
+        det, fast = rows["deterministic"]["out_tok_s"]["median"], rows["fast"]["out_tok_s"]["median"]
         rows["deterministic"]["slowdown_vs_fast"] = 1 - det / fast
-    summary = {"shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-               "output_len": args.output_len, "ceiling_tok_s": ceiling, "results": rows}
-    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
-    for mode, r in rows.items():
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "tokens"}
-        print(mode, shown)
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+    out.summary({"bench": "throughput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                 "output_len": args.output_len, "runs": args.runs, "ceiling_tok_s": ceiling,
+                 "results": rows})
 
 
 if __name__ == "__main__":

@@ -8,14 +8,9 @@ from deepinfer.engine.layers.ops import Ops
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.activation import silu_and_mul_ref
 from deepinfer.kernels.reference.attention import chunked_paged_attention, paged_attention_ref
+from deepinfer.kernels.reference.matmul import row_invariant_mm
+from deepinfer.kernels.reference.mla import mla_attention_ref
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
-
-# torch.mm on CPU is not row-invariant (the kernel it picks depends on M), but on a fixed M of exactly
-# this many rows it is: each row's result then depends only on that row.
-LINEAR_ROW_CHUNK = 32
-# Allocator alignment of fresh CPU tensors; chunks that start elsewhere are copied so the BLAS kernel
-# never sees a differently aligned operand for the same row.
-_ALIGN_BYTES = 64
 
 
 class CpuInvariantOps(Ops):
@@ -25,17 +20,9 @@ class CpuInvariantOps(Ops):
     deterministic = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows, k = x.shape
-        padded_rows = -(-rows // LINEAR_ROW_CHUNK) * LINEAR_ROW_CHUNK
-        xp = x.new_zeros((padded_rows, k))
-        xp[:rows] = x
-        aligned = (k * x.element_size()) % _ALIGN_BYTES == 0
-        wt = weight.t()
-        chunks = []
-        for i in range(0, padded_rows, LINEAR_ROW_CHUNK):
-            chunk = xp[i:i + LINEAR_ROW_CHUNK]
-            chunks.append(torch.mm(chunk if aligned else chunk.clone(), wt))
-        out = torch.cat(chunks)[:rows]
+        # torch.mm on CPU is not row-invariant (its kernel may depend on M); row_invariant_mm gives row i
+        # the bits of torch.mm over a fixed 16-row chunk, whatever else shares the call.
+        out = row_invariant_mm(x, weight)
         return out + bias if bias is not None else out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,3 +54,8 @@ class CpuFastOps(Ops):
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                      meta: AttentionMetadata, kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+        # Not batch-invariant: prefill rows expand the latents to per-head K/V, decode rows absorb.
+        return mla_attention_ref(q_nope, q_pe, cache, meta, kv_b_weight, scale)

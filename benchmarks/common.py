@@ -1,0 +1,178 @@
+"""Shared benchmark plumbing: repeated runs with medians and spread, per-step timing, JSON output.
+
+Every benchmark here runs a warm-up, then `--runs` measured repetitions in one invocation, and reports the
+median with min/max, because single runs on a shared GPU moved by ~10% between invocations (RESULTS.md).
+
+`StepRecorder` wraps one engine's scheduler to time every step on the host (cheap, always on) and, under
+`profiled()`, torch.profiler, so that the device kernels inside each step's window give the GPU busy
+fraction per step. It only wraps an attribute, so the engine needs no hooks of its own; an engine without
+`engine.scheduler.schedule` gets "available": false rather than wrong figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def spread(xs: list[float]) -> dict[str, Any]:
+    """Median, min, max and the raw values of repeated measurements."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "runs": xs}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class JsonOut:
+    """Writes each record as one JSON line to stdout and to `<out>.jsonl`, and the summary to `<out>`."""
+
+    def __init__(self, out: str | None) -> None:
+        self.out = Path(out) if out else None
+        self.lines = self.out.with_suffix(self.out.suffix + ".jsonl").open("w") if self.out else None
+
+    def line(self, record: dict[str, Any]) -> None:
+        text = json.dumps(record, default=str)
+        print(text, flush=True)
+        if self.lines:
+            self.lines.write(text + "\n")
+            self.lines.flush()
+
+    def summary(self, report: dict[str, Any]) -> None:
+        print(json.dumps(report, indent=1, default=str), flush=True)
+        if self.out:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text(json.dumps(report, indent=1, default=str))
+        if self.lines:
+            self.lines.close()
+            self.lines = None
+
+
+class StepRecorder:
+    """Host time of every engine step (and, profiling, the GPU busy fraction of each), split by kind.
+
+    It wraps `engine.scheduler.schedule`, which both the synchronous and the overlapped engine loop call
+    once per step: a step's window runs from one `schedule()` call to the next (the last one ends at
+    `end()`), i.e. the host's cadence per step, device waits included. A step is "decode" when every
+    scheduled sequence runs exactly one new token, else "prefill" (mixed steps included).
+    """
+
+    MARK = "bench_step_mark"
+
+    def __init__(self, llm: Any, profile: bool = False) -> None:
+        sched = getattr(getattr(llm, "engine", None), "scheduler", None)
+        self.available = sched is not None and hasattr(sched, "schedule")
+        self.profile = profile
+        self.marks: list[tuple[str, float]] = []
+        self.steps: list[tuple[str, float]] = []
+        self.gpu_busy: dict[str, Any] = {"available": False}
+        self.profile_table = ""
+        if self.available:
+            self._wrap(sched)
+
+    def _wrap(self, sched: Any) -> None:
+        inner = sched.schedule
+
+        def schedule() -> Any:
+            out = inner()
+            scheduled = getattr(out, "scheduled", None) or []
+            decode = bool(scheduled) and all(getattr(s, "num_new_tokens", 0) == 1 for s in scheduled)
+            self._mark("decode" if decode else "prefill")
+            return out
+
+        sched.schedule = schedule
+
+    def _mark(self, kind: str) -> None:
+        if self.profile:
+            with torch.profiler.record_function(self.MARK):
+                pass
+        self.marks.append((kind, time.perf_counter()))
+
+    def end(self) -> None:
+        """Close the last step's window (call right after generate returns, device synchronised)."""
+        if self.marks:
+            self._mark("end")
+            self.steps.extend((k, t1 - t0) for (k, t0), (_, t1) in zip(self.marks, self.marks[1:]))
+            self.marks.clear()
+
+    def reset(self) -> None:
+        self.marks.clear()
+        self.steps.clear()
+
+    def host_summary(self) -> dict[str, Any]:
+        """Per kind: step count, total seconds, median/min/max host ms per step."""
+        if not self.available:
+            return {"available": False}
+        out: dict[str, Any] = {}
+        for k in ("decode", "prefill"):
+            ms = [1000 * dt for kind, dt in self.steps if kind == k]
+            if ms:
+                per = spread(ms)
+                del per["runs"]
+                out[k] = {"steps": len(ms), "seconds": sum(ms) / 1000, "host_ms_per_step": per}
+        return out
+
+    @contextmanager
+    def profiled(self):
+        """Run the body under torch.profiler (CPU + CUDA); then `gpu_busy` holds per-step figures.
+
+        Call `end()` inside the body, after the run, so the last step's window closes under the profiler.
+        """
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        start = len(self.steps)
+        was, self.profile = self.profile, True
+        try:
+            with profile(activities=acts) as prof:
+                yield prof
+        finally:
+            self.profile = was
+        self.gpu_busy = gpu_busy_per_step(prof, [k for k, _ in self.steps[start:]], self.MARK)
+        self.profile_table = prof.key_averages().table(
+            sort_by="cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+            row_limit=25, max_name_column_width=60)
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
+    """Fraction of each step's window during which at least one device kernel ran, by step kind.
+
+    Windows run between consecutive `mark` events (profiler clock, shared with the device timestamps).
+    """
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.name == mark)
+    windows = list(zip(starts, starts[1:]))
+    kernels = _merge([(e.time_range.start, e.time_range.end) for e in events
+                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA])
+    if not kernels or len(windows) != len(kinds):
+        return {"available": False, "windows": len(windows), "steps": len(kinds), "kernels": len(kernels)}
+    per_kind: dict[str, list[tuple[float, float]]] = {}
+    for (s, e), kind in zip(windows, kinds):
+        busy = sum(min(e, ke) - max(s, ks) for ks, ke in kernels if ke > s and ks < e)
+        per_kind.setdefault(kind, []).append((busy, e - s))
+    out: dict[str, Any] = {"available": True}
+    for kind, rows in per_kind.items():
+        fracs = spread([b / w for b, w in rows if w > 0])
+        del fracs["runs"]
+        out[kind] = {"steps": len(rows), "busy_fraction": fracs,
+                     "gpu_ms_per_step_median": statistics.median(b / 1000 for b, _ in rows),
+                     "host_ms_per_step_median": statistics.median(w / 1000 for _, w in rows),
+                     "busy_fraction_overall": sum(b for b, _ in rows) / max(1e-9, sum(w for _, w in rows))}
+    return out
