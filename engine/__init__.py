@@ -1,9 +1,9 @@
-"""deepinfer's engine: `from deepinfer.engine import LLM, SamplingParams`."""
+"""deepinfer's engine: `from deepinfer.engine import LLM, SamplingParams` (vLLM's offline API names)."""
 
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.sample.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -30,7 +30,7 @@ from deepinfer.engine.runner.cuda_graphs import env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
-from deepinfer.engine.sample.rng import request_seed
+from deepinfer.engine.sample.rng import request_seed, sample_seed
 from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 from deepinfer.engine.text.output_processor import OutputProcessor
 from deepinfer.engine.text.tokenizer import Tokenizer
@@ -164,7 +164,9 @@ class LLM:
         return self.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------
-    def _make_seq(self, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def _make_seqs(self, index: int, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """The request's n sequences (sample i seeded by rng.sample_seed(row seed, i)); ValueError names
+        the request when it cannot run."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -182,23 +184,67 @@ class LLM:
         seed = params.seed
         if seed is None:
             seed = request_seed(self.seed, prompt_ids, params)
-        return Sequence(
-            seq_id=next(self._ids), prompt_token_ids=list(prompt_ids), params=params, seed=seed,
-            eos_token_ids=self.eos_token_ids,
-        )
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seqs.append(Sequence(
+                seq_id=next(self._ids), prompt_token_ids=list(prompt_ids), params=params,
+                seed=sample_seed(seed, i), eos_token_ids=self.eos_token_ids, sample_index=i,
+                leader=seqs[0] if seqs else None,
+                # Prompt logprobs are the same for every sample: only sample 0 computes them.
+                prompt_logprobs=[None] * n if params.prompt_logprobs is not None and i == 0 else None,
+            ))
+        return seqs
+
+    def _make_seq(self, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """The one sequence of an n=1 request (for callers that feed the engine core directly)."""
+        if params.n != 1:
+            raise ValueError(f"_make_seq: request {index} asks for n={params.n} samples; use _make_seqs")
+        return self._make_seqs(index, prompt_ids, params)[0]
+
+    def _prompt_items(self, prompts: list) -> tuple[list[str | None], list[list[int]]]:
+        """(prompt texts, token ids) of str, token-id list, {"prompt": str} or {"prompt_token_ids": [...]}
+        items (vLLM's TextPrompt / TokensPrompt); strings are tokenized in one batch."""
+        texts: list[str | None] = []
+        raw: list[str | list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+                if extra or len(p) != 1:
+                    raise ValueError(f"prompt {i}: a dict prompt holds exactly one of 'prompt' (str) or "
+                                     f"'prompt_token_ids' (list of ints); got keys {sorted(p)}")
+                p = p.get("prompt", p.get("prompt_token_ids"))
+                if "prompt" in prompts[i] and not isinstance(p, str):
+                    raise ValueError(f"prompt {i}: 'prompt' must be a string, not {type(p).__name__}")
+            if isinstance(p, str):
+                texts.append(p)
+                raw.append(p)
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                texts.append(None)
+                raw.append(list(p))
+            else:
+                kind = type(p).__name__
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, not {kind}")
+        str_idx = [i for i, p in enumerate(raw) if isinstance(p, str)]
+        encoded: dict[int, list[int]] = {}
+        if str_idx:
+            encoded = dict(zip(str_idx, self.tokenizer.encode_batch([raw[i] for i in str_idx])))
+        return texts, [encoded[i] if isinstance(p, str) else p for i, p in enumerate(raw)]
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | SeqType[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
+        dicts); outputs come back in prompt order, each with `SamplingParams.n` completions.
 
-        Every request is validated before any is run: a bad one raises ValueError naming its index
-        and leaves the engine ready for the next call.
+        Sample 0 of a request draws from the request's seed (given, or derived from the prompt and the
+        parameters), so it is the n=1 output; sample i > 0 from `rng.sample_seed(seed, i)`. Samples share
+        the prompt's KV blocks through the prefix cache. Every request is validated before any is run: a
+        bad one raises ValueError naming its index and leaves the engine ready for the next call.
         """
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -209,24 +255,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        texts: list[str | None] = []
-        token_lists: list[list[int]] = []
-        str_idx = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        encoded = {}
-        if str_idx:
-            encoded = dict(zip(str_idx, self.tokenizer.encode_batch([prompts[i] for i in str_idx])))
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                texts.append(p)
-                token_lists.append(encoded[i])
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-                texts.append(None)
-                token_lists.append(list(p))
-            else:
-                kind = type(p).__name__
-                raise ValueError(f"prompt {i} must be a string or a list of token ids, not {kind}")
-        seqs = [self._make_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, params_list))]
-        return self._run(seqs, texts, use_tqdm)
+        texts, token_lists = self._prompt_items(prompts)
+        groups = [self._make_seqs(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, params_list))]
+        return self._run(groups, texts, use_tqdm)
 
     def chat(
         self,
@@ -246,29 +277,32 @@ class LLM:
             o.prompt = p
         return outs
 
-    def _run(self, seqs: list[Sequence], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        results: list[RequestOutput | None] = [None] * len(seqs)
+    def _run(self, groups: list[list[Sequence]], texts: list[str | None],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Run every request's sequences; one RequestOutput per request, its samples in index order."""
+        index = {s.seq_id: i for i, g in enumerate(groups) for s in g}
+        done: list[list[RequestOutput]] = [[] for _ in groups]
         bar = None
-        if use_tqdm and seqs:
+        if use_tqdm and groups:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="generate", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(index), desc="generate", unit="seq", dynamic_ncols=True)
         t0 = time.perf_counter()
         out_tokens = 0
 
         def on_finish(seq: Sequence) -> None:
             nonlocal out_tokens
             i = index[seq.seq_id]
-            results[i] = self.engine.outputs.build_output(seq, texts[i])
+            done[i].append(self.engine.outputs.build_output(seq, texts[i]))
             out_tokens += seq.num_output_tokens
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(out_tok_s=f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
 
         try:
-            for seq in seqs:
-                self.engine.add(seq)
+            for group in groups:
+                for seq in group:
+                    self.engine.add(seq)
             self.engine.run(on_finish)
         except BaseException:
             self.engine.abort_all()  # leave the engine empty and usable for the next call
@@ -276,4 +310,13 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return results  # type: ignore[return-value]
+        return [_merge_samples(outs) for outs in done]
+
+
+def _merge_samples(outs: list[RequestOutput]) -> RequestOutput:
+    """One request's output from its samples' (each holds one completion): sample 0 gives the prompt
+    fields, the request id and the metrics; `outputs` lists the completions by sample index."""
+    outs = sorted(outs, key=lambda o: o.outputs[0].index)
+    first = outs[0]
+    first.outputs = [o.outputs[0] for o in outs]
+    return first

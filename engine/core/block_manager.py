@@ -96,6 +96,10 @@ class BlockManager:
                 hashes.append(hash_block(hashes[i - 1] if i else b"", tokens[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
+    def num_registered_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of seq's table whose hashes mark_computed has registered (0 without blocks)."""
+        return self._num_hashed.get(seq.seq_id, 0)
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest cached prefix of seq.token_ids. Changes nothing.
 

@@ -195,7 +195,10 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
+            if self._awaits_leader(seq):
+                break   # FCFS: the sibling keeps its place; its leader's prefill ends within a step or two
+            # A cached position is never computed, so a request reporting prompt logprobs computes them all.
+            cached = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             start = len(cached) * self.block_size
             n = self._chunk(seq, start, budget)
             if n == 0 or not bm.can_allocate(seq, n, cached):
@@ -209,6 +212,18 @@ class Scheduler:
             if start + n < seq.num_tokens:
                 break   # a chunked prefill takes the rest of this step's budget
         return budget
+
+    def _awaits_leader(self, seq: Sequence) -> bool:
+        """True while `seq` (sample i > 0 of a request) would miss prompt blocks that its leader (sample 0)
+        is still computing: admitted now, it would compute the same prompt again in the same step; a step
+        later it takes them from the prefix cache. Never waits on a leader that is not running."""
+        leader = seq.leader
+        if leader is None or leader.status != SequenceStatus.RUNNING:
+            return False
+        if not self.block_manager.enable_prefix_caching:
+            return False
+        shareable = (seq.num_prompt_tokens - 1) // self.block_size   # match_prefix's cap for a new sequence
+        return self.block_manager.num_registered_blocks(leader) < shareable
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step. Sequences appear at most once; never more than max_num_seqs of them and

@@ -47,6 +47,15 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs (sample 0 of a request only): entry i is written by the runner when the
+    # forward computes position i - 1, entry 0 stays None. Such a sequence takes no prefix-cache hits, since
+    # a cached position is never computed (scheduler._admit_waiting).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Sample i of a request with n samples; `leader` is its sample 0 (None for sample 0 itself). A sibling
+    # waits until the leader's full prompt blocks are in the prefix cache, so it reuses them instead of
+    # computing the same prompt again in the same step (scheduler._admit_waiting).
+    sample_index: int = 0
+    leader: Sequence | None = None
     # Content hashes of the full blocks of token_ids, block i at index i, memoized by the BlockManager:
     # tokens only ever grow, so a block's hash never changes, and a preempted or head-of-line-blocked
     # sequence is matched against the prefix cache again without re-hashing.

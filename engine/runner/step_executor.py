@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.runner.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from deepinfer.engine.sample.metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -95,7 +96,9 @@ class StepExecutor:
         r = self.runner
         pending = pending_inputs(out, prev)
         prev_ids = prev.device_ids if prev is not None else None
-        if self.graphs is not None and self.graphs.fits(out):
+        # Prompt positions of requests that report prompt logprobs need the full hidden states (eager).
+        prompt_rows = prompt_logprob_rows(out)
+        if self.graphs is not None and not prompt_rows and self.graphs.fits(out):
             self.graph_steps += 1
             return ForwardPass(out, self.graphs.run(out, pending, prev_ids))
         self.eager_steps += 1
@@ -105,6 +108,7 @@ class StepExecutor:
             dst, src = zip(*pending)
             ids.index_copy_(0, self._index(list(dst)), prev_ids.index_select(0, self._index(list(src))))
         hidden = r.model(ids, batch.positions, batch.meta, r.kv_caches)
+        record_prompt_logprobs(r.model, hidden, out, prompt_rows, r.vocab_size)
         return ForwardPass(out, hidden[batch.sample_indices])
 
     @torch.inference_mode()

@@ -2,8 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one of a JSON Schema, a regex, a list of choices, or any JSON
+    object. `SamplingParams(structured_outputs=...)` turns it into the matching `json_schema` / `regex` /
+    `choice` field, so both spellings are the same request (same grammar, same derived seed)."""
+
+    json: dict[str, Any] | bool | str | None = None   # a JSON Schema (a dict, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None                    # True: any JSON object
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams: set exactly one of json, regex, choice, json_object (got {given})"
+            )
+
+    def as_constraint(self) -> tuple[str, Any]:
+        """(SamplingParams field name, value) this constraint stands for."""
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams.json: not valid JSON text ({e})") from None
+            return "json_schema", schema
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", list(self.choice)
+        return "json_schema", {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +70,10 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's names, added after the fields above so positional use of those keeps working:
+    n: int = 1                          # completions per prompt (LLM.generate documents their seeds)
+    prompt_logprobs: int | None = None  # top-k logprobs at each prompt position (the first gets None)
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ValueError:
@@ -43,8 +83,11 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", self.top_k, "must be -1 (disabled) or an integer >= 1")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "must be -1 or 0 (disabled) or an integer >= 1")
+        if self.top_k == 0:
+            # vLLM spells "disabled" both ways; one canonical value keeps the derived seed the same.
+            object.__setattr__(self, "top_k", -1)
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -62,6 +105,13 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "must be an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "must be an integer in [0, 20] or None")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 1024:
+            raise bad("n", self.n, "must be an integer in [1, 1024]")
+        self._resolve_structured_outputs()
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1.0 disables it)")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -84,6 +134,28 @@ class SamplingParams:
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise bad("choice", self.choice, "must be a non-empty list of non-empty strings")
+
+    def _resolve_structured_outputs(self) -> None:
+        """Copy `structured_outputs` into json_schema / regex / choice (refusing a second constraint)."""
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
+            object.__setattr__(self, "structured_outputs", so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise ValueError("SamplingParams.structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"not {type(so).__name__}")
+        name, value = so.as_constraint()
+        others = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        if others == [name] and getattr(self, name) == value:
+            return  # already copied: dataclasses.replace passes both fields back in
+        if others:
+            raise ValueError(f"SamplingParams: structured_outputs and {others} both set; give one constraint")
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

@@ -152,9 +152,13 @@ def derive_seed(*parts: Any) -> int:
 
 
 # Fields that only decide when to stop or what to report; they are left out of the default seed so that,
-# e.g., raising max_tokens extends a request's output instead of changing it.
+# e.g., raising max_tokens extends a request's output instead of changing it. `n` is left out so that sample
+# 0 of n is the n=1 output; `structured_outputs` because __post_init__ copies it into json_schema / regex /
+# choice, which are fingerprinted (both spellings of a constraint are one request). Fields added later must
+# be listed here unless they shape the distribution, or every unseeded output would change.
 _NON_DISTRIBUTION_FIELDS = frozenset(
-    {"seed", "max_tokens", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs"}
+    {"seed", "max_tokens", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
+     "prompt_logprobs", "n", "structured_outputs"}
 )
 _FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
@@ -174,6 +178,17 @@ def params_fingerprint(params: SamplingParams) -> str:
                 raise ValueError(f"SamplingParams.{name}={value!r} cannot be fingerprinted: must be finite")
         fields[name] = value
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=repr)
+
+
+def sample_seed(row_seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with n > 1 samples. STABLE CONTRACT: do not change.
+
+    Sample 0 keeps the request's seed (so n=1 outputs never change); sample i > 0 draws from
+    `derive_seed(row_seed, "sample", i)`, independent of n, of the other samples and of the batch.
+    """
+    if index == 0:
+        return row_seed
+    return derive_seed(row_seed, "sample", index)
 
 
 def request_seed(engine_seed: int, prompt_token_ids: SequenceABC[int], params: SamplingParams) -> int:

@@ -8,7 +8,8 @@ Order of operations for each row (vLLM-like):
   -> temperature: 0 => greedy argmax (ties -> lowest token id; consumes no randomness); else x = logits / T
   -> top-k -> top-p -> min-p (each narrows the set of kept tokens)
   -> draw: argmax over kept tokens of x_i + G_i, G_i = -log(-log u_i) Gumbel noise.
-Logprobs (params.logprobs = n): log-softmax of the RAW logits for the sampled token and the top-n tokens.
+Logprobs (params.logprobs = n): log-softmax of the RAW logits for the sampled token and the top-n tokens,
+and the sampled token's rank (1 + tokens before it in (logit desc, id asc) order: the order top-n uses).
 
 Why the draw is exact: for independent standard Gumbel G_i, argmax_i (x_i + G_i) over a set K is
 distributed as softmax(x) restricted to K and renormalised (the Gumbel-max theorem), which is the filtered
@@ -44,12 +45,24 @@ from deepinfer.engine.sample.penalties import apply_blocked, apply_penalties
 from deepinfer.engine.sample.rng import gumbel_noise, row_keys
 
 
+class SampledLogprobs(dict[int, float]):
+    """token id -> logprob of one position: the sampled (or actual prompt) token first, then the top-n in
+    rank order. A dict, so it compares and iterates as the plain dicts it replaced; `rank` carries the first
+    token's rank along the same path (runner -> scheduler -> sequence) without a parallel list."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, items: dict[int, float], rank: int) -> None:
+        super().__init__(items)
+        self.rank = rank
+
+
 @dataclass
 class SamplerOutput:
     """Sampled token per row, and the logprob dicts (sampled token first, then the top-n by rank)."""
 
     token_ids: torch.Tensor                    # int64 [S], on the logits' device
-    logprobs: list[dict[int, float] | None]    # per row; None where params.logprobs is None
+    logprobs: list[dict[int, float] | None]    # per row (a SampledLogprobs); None where not requested
 
 
 def fixed_point_bits(vocab_size: int) -> int:
@@ -221,29 +234,51 @@ class Sampler:
         rows = [i for i, n in enumerate(meta.num_logprobs) if n is not None]
         counts = [meta.num_logprobs[i] or 0 for i in rows]
         row_idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        raw = logits.index_select(0, row_idx)
-        lp = raw_logprobs(raw)
-        sampled = token_ids.index_select(0, row_idx)
-        sampled_lp = lp.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-        sampled_ids = sampled.tolist()
-        top_ids: list[list[int]] = [[] for _ in rows]
-        top_lps: list[list[float]] = [[] for _ in rows]
-        k_max = max(counts)
-        if k_max > 0:
-            k = torch.tensor([min(max(c, 1), meta.vocab_size) for c in counts], dtype=torch.int64)
-            k = k.to(logits.device)
-            mask = first_k_mask(raw, k, min(k_max, meta.vocab_size))
-            # Per row at most k_max hits; gather them ordered by (logit desc, id asc) on the host.
-            r_idx, t_idx = mask.nonzero(as_tuple=True)
-            vals = lp[r_idx, t_idx].tolist()
-            for r, t, v in zip(r_idx.tolist(), t_idx.tolist(), vals, strict=True):
-                if counts[r] > 0:
-                    top_ids[r].append(t)
-                    top_lps[r].append(v)
+        entries = position_logprobs(logits.index_select(0, row_idx), token_ids.index_select(0, row_idx),
+                                    counts)
         out: list[dict[int, float] | None] = [None] * meta.num_rows
-        for j, i in enumerate(rows):
-            entry = {sampled_ids[j]: sampled_lp[j]}
-            for v, t in sorted(zip(top_lps[j], top_ids[j], strict=True), key=lambda p: (-p[0], p[1])):
-                entry.setdefault(t, v)
+        for i, entry in zip(rows, entries, strict=True):
             out[i] = entry
         return out
+
+
+def token_ranks(raw: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """int64 [L]: rank of chosen[r] in row r of raw [L, V] by (logit desc, id asc); 1 = the argmax.
+
+    Counted exactly (comparisons and an integer sum), so the rank is batch-invariant, and it agrees with
+    the order `first_k_mask` picks the top-k in."""
+    value = raw.gather(1, chosen.unsqueeze(1))
+    ids = torch.arange(raw.shape[1], device=raw.device).unsqueeze(0)
+    before = (raw > value) | ((raw == value) & (ids < chosen.unsqueeze(1)))
+    return before.sum(dim=1) + 1
+
+
+def position_logprobs(raw: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[SampledLogprobs]:
+    """Per row of raw float32 logits [L, V]: the chosen token's logprob and rank plus the top-counts[r].
+
+    Used for sampled tokens (the sampler) and for prompt tokens (runner/prompt_logprobs.py)."""
+    vocab = raw.shape[1]
+    lp = raw_logprobs(raw)
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    chosen_ids = chosen.tolist()
+    ranks = token_ranks(raw, chosen).tolist()
+    top_ids: list[list[int]] = [[] for _ in counts]
+    top_lps: list[list[float]] = [[] for _ in counts]
+    k_max = max(counts, default=0)
+    if k_max > 0:
+        k = torch.tensor([min(max(c, 1), vocab) for c in counts], dtype=torch.int64).to(raw.device)
+        mask = first_k_mask(raw, k, min(k_max, vocab))
+        # Per row at most k_max hits; gather them ordered by (logit desc, id asc) on the host.
+        r_idx, t_idx = mask.nonzero(as_tuple=True)
+        vals = lp[r_idx, t_idx].tolist()
+        for r, t, v in zip(r_idx.tolist(), t_idx.tolist(), vals, strict=True):
+            if counts[r] > 0:
+                top_ids[r].append(t)
+                top_lps[r].append(v)
+    out: list[SampledLogprobs] = []
+    for j in range(len(counts)):
+        entry = {chosen_ids[j]: chosen_lp[j]}
+        for v, t in sorted(zip(top_lps[j], top_ids[j], strict=True), key=lambda p: (-p[0], p[1])):
+            entry.setdefault(t, v)
+        out.append(SampledLogprobs(entry, ranks[j]))
+    return out

@@ -13,6 +13,9 @@
 * Choices become a Lark grammar of JSON-quoted string literals (quotes, backslashes, control characters and
   non-ASCII text are escaped by `json.dumps`, so no choice can inject grammar syntax).
 
+* `uniqueItems: true` over items from a finite set (enum, const, boolean) becomes an `anyOf` of the valid
+  arrays (unique_items.py); other `uniqueItems` are left for the grammar library to refuse.
+
 Only the keywords that hold subschemas are walked, so `const`/`enum`/`default` values are never rewritten.
 """
 
@@ -23,6 +26,7 @@ import json
 from typing import Any
 
 import jsonschema
+from deepinfer.engine.structured.unique_items import rewrite_unique_items
 
 # Keywords whose value is one subschema / a list of subschemas / a name -> subschema map (Draft 2020-12,
 # plus draft-7 spellings the grammar library also reads).
@@ -75,20 +79,21 @@ def ascii_classes(regex: str) -> str:
     return "".join(out)
 
 
-def _rewrite_schema(node: Any) -> Any:
+def _rewrite_schema(node: Any, path: str = "", root: Any = None) -> Any:
     if not isinstance(node, dict):
         return node
     for key in _ONE:
         if isinstance(node.get(key), dict):
-            node[key] = _rewrite_schema(node[key])
+            node[key] = _rewrite_schema(node[key], f"{path}/{key}", root)
     for key in _MANY:
         if isinstance(node.get(key), list):
-            node[key] = [_rewrite_schema(s) for s in node[key]]
+            node[key] = [_rewrite_schema(s, f"{path}/{key}/{i}", root) for i, s in enumerate(node[key])]
     if isinstance(node.get("items"), list):
-        node["items"] = [_rewrite_schema(s) for s in node["items"]]
+        node["items"] = [_rewrite_schema(s, f"{path}/items/{i}", root) for i, s in enumerate(node["items"])]
     for key in _MAP:
         if isinstance(node.get(key), dict):
-            node[key] = {name: _rewrite_schema(s) for name, s in node[key].items()}
+            node[key] = {name: _rewrite_schema(s, f"{path}/{key}/{name}", root)
+                         for name, s in node[key].items()}
     if isinstance(node.get("pattern"), str):
         node["pattern"] = ascii_classes(node["pattern"])
     fmt = node.get("format")
@@ -99,6 +104,8 @@ def _rewrite_schema(node: Any) -> Any:
             node.setdefault("allOf", []).append({"pattern": exact})
         else:
             node["pattern"] = exact
+    if "uniqueItems" in node:
+        node = rewrite_unique_items(node, path or "the top level", root)
     return node
 
 
@@ -120,7 +127,8 @@ def prepare_json_schema(schema: Any) -> Any:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"json_schema: invalid schema at {_where(e.absolute_path)}: {e.message}") from None
-    return _rewrite_schema(copy.deepcopy(schema))
+    schema = copy.deepcopy(schema)
+    return _rewrite_schema(schema, "", schema)
 
 
 def prepare_regex(regex: str) -> str:

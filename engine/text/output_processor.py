@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from deepinfer.engine.core.sequence import Sequence
-from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from deepinfer.engine.text.detokenizer import IncrementalDetokenizer, decode_output
 from deepinfer.engine.text.tokenizer import Tokenizer
 
@@ -14,6 +16,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # token id -> its text alone (Logprob.decoded_token); at most one entry per vocabulary id.
+        self._decoded: dict[int, str] = {}
 
     def add(self, seq: Sequence) -> None:
         """Give `seq` its incremental detokenizer when it has stop strings."""
@@ -26,7 +30,8 @@ class OutputProcessor:
             )
 
     def build_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        """The finished request's output (its text, truncated at a matched stop string)."""
+        """The finished sequence's output: one completion (index = its sample index; LLM.generate merges
+        the n samples of a request), its text truncated at a matched stop string."""
         detok, seq.detokenizer = seq.detokenizer, None
         if detok is not None:
             detok.finish()
@@ -34,14 +39,50 @@ class OutputProcessor:
         else:
             text = decode_output(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
                                  seq.params.skip_special_tokens)
+        logprobs = None
+        cumulative = None
+        if seq.logprobs is not None:
+            logprobs = [self._position(d) for d in seq.logprobs]
+            cumulative = sum(next(iter(d.values())) for d in seq.logprobs)
+        completion = CompletionOutput(
+            index=seq.sample_index, text=text, token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason or "length", logprobs=logprobs, seed=seq.seed,
+            cumulative_logprob=cumulative,
+        )
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None:
+            prompt_logprobs = [None if d is None else self._position(d) for d in seq.prompt_logprobs]
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=list(seq.output_token_ids),
-            text=text,
-            finish_reason=seq.finish_reason or "length",
-            logprobs=seq.logprobs,
-            seed=seq.seed,
+            outputs=[completion],
+            prompt_logprobs=prompt_logprobs,
             metrics={"num_cached_tokens": seq.num_cached_tokens, "num_preemptions": seq.num_preemptions},
         )
+
+    def _position(self, entry: Mapping[int, float]) -> PositionLogprobs:
+        """Logprob objects of one position. The first key is the sampled (or prompt) token, whose rank the
+        sampler computed; the others are the top-k in rank order, so they take ranks 1..k, skipping the first
+        token's rank when it is among them (the sampler's SampledLogprobs documents the layout)."""
+        items = list(entry.items())
+        first_rank = getattr(entry, "rank", None)
+        out: PositionLogprobs = {}
+        rank = 0
+        for j, (tid, lp) in enumerate(items):
+            if j == 0:
+                r = first_rank
+            else:
+                rank += 1
+                if rank == first_rank:
+                    rank += 1
+                r = rank
+            out[tid] = Logprob(logprob=lp, rank=r, decoded_token=self._decode(tid))
+        return out
+
+    def _decode(self, token_id: int) -> str:
+        # Special tokens keep their text ("</s>"), as vLLM shows them: a logprob entry names the token.
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

@@ -35,7 +35,7 @@ def test_missing_tokenizer(model_dir, tmp_path):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
-    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),   # 0 and -1 both mean disabled (DESIGN.md, second-round contracts)
     (dict(min_p=1.5), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=-2), "logprobs"),
