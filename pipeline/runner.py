@@ -88,6 +88,24 @@ def plan_job(listing: list[InputFile], rows_per_part: int) -> list[PartSpec]:
     return plan_parts([(f.url, f.num_rows) for f in listing], rows_per_part)
 
 
+def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
+    """The part assembler of `spec`'s job: column types fixed from the whole input (also used by verify,
+    which must rebuild a row exactly as the run that committed it did)."""
+    cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
+    if spec.input.format == "parquet":
+        keep_types = keep_types_from_parquet([f.url for f in listing], cols, spec.input.storage_options)
+    else:
+        keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options,
+                                           id_column=spec.input.id_column)
+    scorer = None
+    if spec.eval is not None:
+        from deepinfer.pipeline.evaluation import Scorer
+
+        scorer = Scorer(spec.eval)
+    return PartAssembler(spec.id_column, spec.input.id_column is None, spec.output.keep_columns,
+                         spec.output_schema, keep_types, scorer)
+
+
 def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions
              ) -> Iterator[pa.Table]:
     if spec.runtime.executor == "local":
@@ -226,14 +244,7 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
     stats.ok_resumed = stats.rows_resumed - stats.errored_resumed
     budget = ErrorBudget(spec.runtime.max_error_fraction)
 
-    cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
-    if spec.input.format == "parquet":
-        keep_types = keep_types_from_parquet([f.url for f in listing], cols, spec.input.storage_options)
-    else:
-        keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options,
-                                           id_column=spec.input.id_column)
-    assembler = PartAssembler(spec.id_column, spec.input.id_column is None, spec.output.keep_columns,
-                              spec.output_schema, keep_types)
+    assembler = make_assembler(spec, listing)
     if options.progress:
         print(f"[deepinfer] {stats.rows_total} rows in {len(parts)} parts; {stats.parts_resumed} parts "
               f"already committed; running {len(todo)} parts on the {spec.runtime.executor} executor",
@@ -252,6 +263,8 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
                             max_fraction=spec.runtime.max_error_fraction, exit_code=exit_code)
     validate_summary(summary)
     if exit_code == 0:
+        if spec.eval is not None:  # from the committed parts: the same bytes however the run went
+            write_metrics(spec, store)
         store.write_success(summary)
     _report(summary, options)
     if exit_code == ExitCode.BUDGET:
@@ -259,6 +272,16 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
               f"quarantined, more than runtime.max_error_fraction={spec.runtime.max_error_fraction}; "
               f"see errors/ under {spec.output.path}", file=sys.stderr)
     return exit_code
+
+
+def write_metrics(spec: JobSpec, store: JobStore) -> None:
+    """metrics.json of an `eval:` job, written before _SUCCESS (so a complete job always has it)."""
+    from deepinfer.pipeline.evaluation import job_metrics
+    from deepinfer.pipeline.output import storage
+    from deepinfer.pipeline.output.layout import METRICS_FILE, dumps
+
+    metrics = job_metrics(spec.eval, store.store.read_committed(), store.committed_error_rows())
+    storage.write_atomic(store.store.fs, store.store.path(METRICS_FILE), dumps(metrics))
 
 
 def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:

@@ -1,8 +1,9 @@
 """`deepinfer-job`: validate, submit and inspect batch inference jobs.
 
 Exit codes (a contract, DESIGN.md): 0 done (errors within budget) · 2 invalid spec or usage · 3 error
-budget exceeded · 4 output path holds another job · 75 retryable failure (storage, engine, infrastructure:
-run the same command again) · 1 bug (a short message; the traceback with -v, which every command has).
+budget exceeded · 4 output path holds another job · 5 verify found a differing row · 75 retryable failure
+(storage, engine, infrastructure: run the same command again) · 1 bug (a short message; the traceback
+with -v, which every command has).
 
 SIGTERM is handled like Ctrl-C (SIGINT): the main thread gets a KeyboardInterrupt, the run stops
 cleanly (committed parts are kept; the lease is released on the way out) and exits 75 with one line
@@ -32,9 +33,12 @@ examples:
   deepinfer-job submit jobs/labeling.yaml --restart        # discard this job's committed output, start over
   deepinfer-job status /tmp/labels --json
   deepinfer-job status jobs/labeling.yaml
+  deepinfer-job plan jobs/labeling.yaml --json            # rows, tokens, quarantines, engine-hours
+  deepinfer-job verify /tmp/labels --sample 20 --seed 1   # recompute 20 committed rows, compare bytes
+  deepinfer-job report out/eval                             # metrics of an eval job or a sweep
 
 exit codes: 0 done · 2 invalid spec/usage · 3 error budget exceeded · 4 output holds another job ·
-            75 retryable failure (run it again: it resumes) · 1 bug
+            5 verify found a row that differs · 75 retryable failure (run it again: it resumes) · 1 bug
 """
 
 
@@ -44,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run offline batch LLM inference jobs described by a YAML spec "
                     "(schemas/job.schema.json).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{validate,submit,status}")
+    sub = parser.add_subparsers(dest="command", metavar="{validate,submit,status,plan,verify,report}")
     sub.required = True
 
     def add_set(p: argparse.ArgumentParser) -> None:
@@ -84,7 +88,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_set(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
+
+    p = sub.add_parser("plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="read and tokenize the input (no weights): rows, token counts, quarantines, "
+                            "engine-hours",
+                       epilog="example:\n  deepinfer-job plan jobs/labeling.yaml --json")
+    p.add_argument("spec", metavar="SPEC", help="job spec YAML file")
+    add_set(p)
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
+
+    p = sub.add_parser("verify", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="recompute committed rows and check they are byte-identical (exit 5 if not)",
+                       epilog="example:\n  deepinfer-job verify /tmp/labels --sample 20 --seed 1")
+    p.add_argument("output", metavar="OUTPUT", help="a job's output path (local or s3://)")
+    p.add_argument("--sample", type=_positive_int, default=10, metavar="N",
+                   help="how many committed rows to recompute (default 10; all when fewer)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of the row choice: the same N and S always pick the same rows (default 0)")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
+
+    p = sub.add_parser("report", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="print the metrics of an eval job (metrics.json) or a sweep (metrics.parquet)",
+                       epilog="example:\n  deepinfer-job report out/eval --json")
+    p.add_argument("output", metavar="OUTPUT", help="the output path of an eval job or a sweep")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of unexpected errors")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _err(message: str) -> None:
@@ -125,6 +162,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         model = spec.model.name or spec.model.path
         schema = "with output_schema" if spec.output_schema is not None else "free text"
+        if spec.sweep is not None:
+            from deepinfer.pipeline.sweep import point_specs
+
+            schema += f", a sweep of {len(point_specs(spec))} points"
         print(f"{args.spec}: valid job spec (model {model}, {spec.input.format} input {spec.input.path}, "
               f"{spec.output.format} output {spec.output.path}, {schema})")
     return ExitCode.OK
@@ -137,6 +178,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, args.overrides)
     options = SubmitOptions(address=args.address, restart=args.restart, verbose=args.verbose,
                             summary_json=args.summary_json)
+    if spec.sweep is not None:
+        from deepinfer.pipeline.sweep import run_sweep
+
+        return run_sweep(spec, options)
     return run_job(spec, options)
 
 
@@ -144,6 +189,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     from deepinfer.pipeline.cli.status_cmd import show_status
 
     return show_status(args.target, args.overrides, as_json=args.json)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from deepinfer.pipeline.job_plan import plan_spec, render_plan
+    from deepinfer.pipeline.spec.load import load_spec
+
+    plan = plan_spec(load_spec(args.spec, args.overrides))
+    print(json.dumps(plan, indent=2, sort_keys=True) if args.json else render_plan(plan))
+    return ExitCode.OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from deepinfer.pipeline.cli.sweep_cmds import report
+
+    return report(args.output, as_json=args.json)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from deepinfer.pipeline.verify import print_report, verify_output
+
+    report = verify_output(args.output, args.sample, args.seed)
+    print_report(args.output, report, args.seed)
+    return report.exit_code
 
 
 def classify(exc: BaseException) -> tuple[int, str]:
@@ -160,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    handlers = {"validate": cmd_validate, "submit": cmd_submit, "status": cmd_status}
+    handlers = {"validate": cmd_validate, "submit": cmd_submit, "status": cmd_status,
+                "plan": cmd_plan, "verify": cmd_verify, "report": cmd_report}
     verbose = getattr(args, "verbose", False)
     previous = signal.getsignal(signal.SIGTERM)
     install_signal_handlers()

@@ -20,7 +20,8 @@ human needs to see why two fingerprints differ (:func:`diff_fingerprints`):
 * ``runtime``: the ``runtime`` section minus keys that cannot change output bytes
   (:data:`NON_SEMANTIC_RUNTIME_KEYS`, read from the schema's ``"x-affects-output": false``: today every
   runtime setting, rows_per_part included, since a resume keeps the stored part plan);
-* ``deepinfer``: the package version.
+* ``deepinfer``: the package version;
+* ``eval``: the ``eval`` section, only when the spec has one (it decides the score columns).
 
 Secrets never enter a fingerprint: any ``storage_options`` key is dropped wherever it appears.
 """
@@ -213,6 +214,11 @@ def job_fingerprint(spec: Any, model_dir: str | None, input_listing: Sequence[An
     output = {k: v for k, v in (s.get("output") or {}).items() if k != "path"}
     input_section = {k: v for k, v in (s.get("input") or {}).items() if k != "path"}
     runtime = {k: v for k, v in (s.get("runtime") or {}).items() if k not in NON_SEMANTIC_RUNTIME_KEYS}
+    extra = {}
+    if s.get("eval") is not None:
+        # score columns and metrics.json depend on it; a component only when present, so the
+        # fingerprints of jobs without an eval (and their resumes) are what they always were
+        extra["eval"] = _component(s.get("eval"))
     return {
         "version": FINGERPRINT_VERSION,
         "deepinfer": _component(__version__),
@@ -224,6 +230,7 @@ def job_fingerprint(spec: Any, model_dir: str | None, input_listing: Sequence[An
         "output": _component(output),
         "input": _component({"spec": input_section, "files": _normalize_listing(input_listing)}),
         "runtime": _component(runtime),
+        **extra,
     }
 
 
@@ -238,6 +245,7 @@ _LABELS = {
     "output": "output",
     "input": "input",
     "runtime": "runtime",
+    "eval": "eval",
 }
 _MAX_ITEMS = 5
 

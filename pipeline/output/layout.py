@@ -8,6 +8,7 @@
     _commits/{part_id}.json     commit marker (put-if-absent): {"part_id", "format", "rows", "error_rows",
                                 "error_codes": {code: n}, "objects": [{"kind", "path", "rows", "bytes",
                                 "sha256"}]}
+    metrics.json                with `eval:`: n, mean, standard error per metric (and group), before _SUCCESS
     _SUCCESS                    written last: {"parts", "rows", "error_rows", "summary"}
     _runs/{run_id}.json         leases of live runs (lease.py); removed when runs end
 
@@ -33,6 +34,7 @@ SUCCESS_FILE = "_SUCCESS"
 PARTS_DIR = "parts"
 ERRORS_DIR = "errors"
 COMMITS_DIR = "_commits"
+METRICS_FILE = "metrics.json"  # an `eval:` job's metrics (evaluation.py), written before _SUCCESS
 
 
 def dumps(value: Any) -> bytes:

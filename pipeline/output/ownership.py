@@ -9,8 +9,8 @@ is refused with exit 2 naming what is there — whatever the flags, so `--restar
 deepinfer did not write. `/` and an object store's root (`s3://`) are refused outright.
 
 What `--restart` deletes (:func:`manifest_objects`) is read from the output's own manifest: `_SUCCESS`,
-`_FAILED`, the commit markers and the objects they list, orphans under deepinfer's exact object names
-(`parts/{part_id}-{sha16}.{ext}`, temp files of dead writers), and `_job.json` last. A user's
+`_FAILED`, `metrics.json`, the commit markers and the objects they list, orphans under deepinfer's exact
+object names (`parts/{part_id}-{sha16}.{ext}`, temp files of dead writers), and `_job.json` last. A user's
 `parts/notes.txt` survives it.
 """
 
@@ -26,6 +26,7 @@ from deepinfer.pipeline.output.layout import (
     COMMITS_DIR,
     ERRORS_DIR,
     JOB_FILE,
+    METRICS_FILE,
     PARTS_DIR,
     SUCCESS_FILE,
     OutputReader,
@@ -112,7 +113,7 @@ def manifest_objects(reader: OutputReader) -> list[str]:
     markers = reader.read_markers()
     referenced = [reader.path(obj["path"]) for m in markers.values() for obj in m.get("objects", [])
                   if isinstance(obj, dict) and _ours(str(obj.get("path", "")))]
-    paths = [reader.path(SUCCESS_FILE), reader.path(FAILED_FILE)]
+    paths = [reader.path(SUCCESS_FILE), reader.path(FAILED_FILE), reader.path(METRICS_FILE)]
     paths += [reader.marker_path(pid) for pid in markers]
     paths += referenced
     paths += [p for p in reader.find_orphans() if p not in referenced]

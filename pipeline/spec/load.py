@@ -192,6 +192,8 @@ class JobSpec:
     output: OutputSpec
     runtime: RuntimeSpec
     document: dict
+    eval: Any = None  # evaluation.EvalSpec when the spec has an `eval:` section
+    sweep: dict | None = None  # the `sweep:` section; sweep.expand_points turns it into point specs
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for deepinfer.engine.LLM besides `model` (nulls left to the engine)."""
@@ -215,9 +217,16 @@ class JobSpec:
     @classmethod
     def from_document(cls, doc: Any) -> JobSpec:
         """Validate a spec document (paths already resolved) and build the JobSpec."""
+        from deepinfer.pipeline.evaluation import EvalSpec
+
         filled = validate_document(doc)
         _semantic_checks(filled)
         s, o, r = filled["sampling"], filled["output"], filled["runtime"]
+        evaluation = EvalSpec.from_document(filled["eval"]) if filled.get("eval") else None
+        keep = tuple(o["keep_columns"])
+        if evaluation is not None:  # scores sit next to their reference (and group) in every part
+            id_column = filled["input"]["id_column"] or DEFAULT_ID_COLUMN
+            keep += tuple(c for c in evaluation.input_columns if c not in keep and c != id_column)
         return cls(
             name=filled["name"],
             model=ModelSpec(**filled["model"]),
@@ -227,9 +236,11 @@ class JobSpec:
                                      "stop_token_ids": tuple(s["stop_token_ids"]) if s["stop_token_ids"]
                                      else None}),
             output_schema=filled["output_schema"],
-            output=OutputSpec(**{**o, "keep_columns": tuple(o["keep_columns"])}),
+            output=OutputSpec(**{**o, "keep_columns": keep}),
             runtime=RuntimeSpec(**r),
             document=filled,
+            eval=evaluation,
+            sweep=filled.get("sweep"),
         )
 
 
@@ -271,8 +282,22 @@ def _semantic_checks(doc: dict) -> None:
 
         problems += schema_problems(schema, taken | set(doc["output"]["keep_columns"]))
     problems += output_path_problems(doc["output"]["path"], doc["input"]["path"])
+    problems += _eval_and_sweep_problems(doc, taken | set(doc["output"]["keep_columns"]))
     if problems:
         raise SpecError(problems)
+
+
+def _eval_and_sweep_problems(doc: dict, taken: set[str]) -> list[str]:
+    from deepinfer.pipeline.evaluation import EvalSpec, eval_problems
+    from deepinfer.pipeline.sweep import sweep_problems
+
+    problems = eval_problems(doc.get("eval"))
+    if doc.get("eval") and not problems:
+        taken = taken | set((doc["output_schema"] or {}).get("properties") or {})
+        for col in EvalSpec.from_document(doc["eval"]).score_columns:
+            if col in taken:
+                problems.append(f"eval.metrics: the score column {col!r} clashes with an output column")
+    return problems + sweep_problems(doc.get("sweep"))
 
 
 def _template_problems(prompt: dict) -> list[str]:

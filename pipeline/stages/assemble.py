@@ -62,8 +62,10 @@ class PartAssembler:
     """Builds (rows, errors) tables for a part from its ENGINE_SCHEMA rows."""
 
     def __init__(self, id_column: str, derived_id: bool, keep_columns: tuple[str, ...],
-                 output_schema: dict | None, keep_types: dict[str, pa.DataType] | None = None) -> None:
+                 output_schema: dict | None, keep_types: dict[str, pa.DataType] | None = None,
+                 scorer: Any = None) -> None:
         self.id_column, self.keep = id_column, keep_columns
+        self.scorer = scorer  # evaluation.Scorer of an `eval:` job: score_* columns after the rest
         self.keep_types = dict(keep_types or {})
         self.keep_types[id_column] = pa.string() if derived_id else id_type(self.keep_types.get(id_column))
         self.schema_kinds = column_kinds(output_schema) if output_schema is not None else None
@@ -110,6 +112,12 @@ class PartAssembler:
                 names.append(prop)
                 values = [column_value(kind, p.get(prop)) if isinstance(p, dict) else None for p in parsed]
                 arrays.append(pa.array(values, type=arrow_type(kind)))
+        if self.scorer is not None:
+            ref = self.scorer.spec.reference_column
+            refs = [k.get(ref) for k in kept]
+            for name, array in self.scorer.columns([r["__text"] for r in ok], refs):
+                names.append(name)
+                arrays.append(array)
         return pa.Table.from_arrays(arrays, names=names)
 
 

@@ -7,11 +7,13 @@ validated with jsonschema; rows that fail (or hit max_tokens) are quarantined, n
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +42,37 @@ def _validate_output(text: str, finish: str, validator) -> tuple[str | None, tup
 STUB_ENGINE_ENV = "DEEPINFER_TEST_STUB_ENGINE"
 
 
-def _load_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
+def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
     from deepinfer.engine import LLM
 
     return LLM(model=model_ref, **engine_kwargs)
+
+
+# Engines kept for reuse while a sweep runs its points in this process (None: no sharing, the default).
+_shared: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def shared_engines() -> Iterator[None]:
+    """Within this block, stages of one process that ask for the same model and engine settings share
+    one LLM: a sweep's points build their model once. Safe for the output bytes: a row depends only on its
+    own prompt, parameters and seed (batch-invariant engine), not on what the engine ran before."""
+    global _shared
+    outer = _shared
+    _shared = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
+def _load_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
+    if _shared is None:
+        return _build_llm(model_ref, engine_kwargs)
+    key = json.dumps([model_ref, engine_kwargs], sort_keys=True, default=str)
+    if key not in _shared:
+        _shared[key] = _build_llm(model_ref, engine_kwargs)
+    return _shared[key]
 
 
 @dataclass(frozen=True)
