@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from deepinfer.engine.layers.attention import PagedSelfAttention
 from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.mlp import GatedMLP
@@ -19,6 +18,7 @@ from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.layers.rotary import RotaryEmbedding
 from deepinfer.engine.models.config import ModelConfig
+from deepinfer.engine.models.stack import PagedCausalLM
 from deepinfer.engine.models.weights import init_dummy_weights, load_hf_weights
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
@@ -66,7 +66,7 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
 
 
-class CausalLM(nn.Module):
+class CausalLM(PagedCausalLM):
     """A decoder-only causal LM running a flattened variable-length batch over a paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
@@ -88,28 +88,6 @@ class CausalLM(nn.Module):
     def max_positions(self) -> int:
         """Positions the rotary table covers: a token's position must be below this."""
         return int(self.rotary.cos_cache.shape[0])
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions int64 [T] (flattened batch) -> final-normed hidden states [T, hidden].
-
-        kv_caches[i] = (k_cache, v_cache) of layer i, each [num_blocks, block_size, Hkv, head_dim]; this
-        step's keys/values are written at `meta.slot_mapping` before attention reads them.
-        """
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
-                             f"{len(self.model.layers)} layers")
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        rope = self.rotary(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, meta, kv_cache)
-        x, _ = self.model.norm.forward_residual(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (already final-normed by forward) -> float32 logits [S, vocab_size]."""
-        return self.ops.linear(hidden, self.lm_head.weight).to(torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model (any device/dtype; converted on copy).

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.mla import MLACacheSpec, MLAttention
 from deepinfer.engine.layers.mla_rope import DeepseekRotary
@@ -21,6 +20,7 @@ from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.models.deepseek_config import DEEPSEEK_V2, DeepseekConfig
 from deepinfer.engine.models.deepseek_weights import load_deepseek_weights
+from deepinfer.engine.models.stack import PagedCausalLM
 from deepinfer.engine.models.weights import init_dummy_weights
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
@@ -66,7 +66,7 @@ class DeepseekBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(PagedCausalLM):
     """A DeepSeek-V2/V3 LM over a flattened variable-length batch and a paged latent KV cache."""
 
     def __init__(self, cfg: DeepseekConfig, ops: Ops, dtype: torch.dtype, device: torch.device | None = None,
@@ -99,28 +99,6 @@ class DeepseekForCausalLM(nn.Module):
                           ) -> list[torch.Tensor]:
         """One zeroed [num_blocks, block_size, R + P] tensor per layer, what `forward` takes as kv_caches."""
         return spec.allocate(num_blocks, device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions int64 [T] -> final-normed hidden states [T, hidden].
-
-        kv_caches[i] is layer i's latent cache; this step's latents are written at meta.slot_mapping
-        before attention reads them.
-        """
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
-                             f"{len(self.model.layers)} layers")
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        rope = self.rotary(positions, x.dtype)
-        residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, rope, meta, cache)
-        x, _ = self.model.norm.forward_residual(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (already final-normed) -> float32 logits [S, vocab_size]."""
-        return self.ops.linear(hidden, self.lm_head.weight).to(torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in (per-expert or fused experts; MTP layers skipped)."""

@@ -1,0 +1,39 @@
+"""What every paged causal LM here shares: the layer loop over the paged caches and the logits head.
+
+A model subclass provides `model.embed_tokens`, `model.layers` (each called as
+`layer(x, residual, rope, meta, kv_cache) -> (x, residual)`), `model.norm` (with `forward_residual`),
+`rotary(positions, dtype)`, `lm_head` and `ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer.kernels.metadata import AttentionMetadata
+from torch import nn
+
+
+class PagedCausalLM(nn.Module):
+    """Base of the engine's models: `forward` over the paged KV caches, then `compute_logits`."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list) -> torch.Tensor:
+        """input_ids, positions int64 [T] -> final-normed hidden states [T, hidden].
+
+        kv_caches[i] is layer i's cache (its layout is the model's own); this step's keys/values (or
+        latents) are written at `meta.slot_mapping` before attention reads them.
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries; the model has "
+                             f"{len(self.model.layers)} layers")
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        rope = self.rotary(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, rope, meta, kv_cache)
+        x, _ = self.model.norm.forward_residual(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] (already final-normed by forward) -> float32 logits [S, vocab_size]."""
+        return self.ops.linear(hidden, self.lm_head.weight).to(torch.float32)
