@@ -18,9 +18,8 @@ from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.layers.rotary import RotaryEmbedding
 from deepinfer.engine.models.config import ModelConfig
-from deepinfer.engine.models.stack import PagedCausalLM
+from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer
 from deepinfer.engine.models.weights import init_dummy_weights, load_hf_weights
-from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
 
@@ -31,7 +30,7 @@ class ArchSpec:
     qk_norm: bool = False         # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
                  device: torch.device | None) -> None:
         super().__init__()
@@ -43,14 +42,6 @@ class DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, dtype, device)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.forward_residual(x, residual)
-        h = self.self_attn(h, rope, meta, kv_cache)
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
-        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):

@@ -20,9 +20,8 @@ from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.models.deepseek_config import DEEPSEEK_V2, DeepseekConfig
 from deepinfer.engine.models.deepseek_weights import load_deepseek_weights
-from deepinfer.engine.models.stack import PagedCausalLM
+from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer
 from deepinfer.engine.models.weights import init_dummy_weights
-from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
 
@@ -32,7 +31,7 @@ def latent_cache_spec(cfg: DeepseekConfig, block_size: int, dtype: torch.dtype) 
     return MLACacheSpec(cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, block_size, dtype)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekConfig, layer: int, rotary: DeepseekRotary, ops: Ops, dtype: torch.dtype,
                  device: torch.device | None) -> None:
         super().__init__()
@@ -44,13 +43,6 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp: nn.Module = DeepseekMoE(cfg.moe, hidden, cfg.mlp_bias, ops, dtype, device)
         else:
             self.mlp = GatedMLP(hidden, cfg.intermediate_size, cfg.mlp_bias, ops, dtype, device)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.forward_residual(x, residual)
-        h = self.self_attn(h, rope, meta, cache)
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
-        return self.mlp(h), residual
 
 
 class DeepseekBody(nn.Module):

@@ -13,6 +13,18 @@ from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm residual block: subclasses build `input_layernorm`, `self_attn`,
+    `post_attention_layernorm` and `mlp`; the residual add is fused into each norm."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
+
+
 class PagedCausalLM(nn.Module):
     """Base of the engine's models: `forward` over the paged KV caches, then `compute_logits`."""
 

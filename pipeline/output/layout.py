@@ -55,15 +55,20 @@ class OutputReader:
     def marker_path(self, part_id: str) -> str:
         return self.path(COMMITS_DIR, f"{part_id}.json")
 
-    def read_job(self) -> dict | None:
-        """The ``_job.json`` record, or None when the output holds no job yet."""
-        data = storage.read_bytes(self.fs, self.path(JOB_FILE))
+    def _read_json(self, path: str, corrupt: str) -> dict | None:
+        """The JSON object at ``path``; None when absent; JobError(``corrupt``) when it does not parse."""
+        data = storage.read_bytes(self.fs, path)
         if data is None:
             return None
         try:
             return json.loads(data)
         except ValueError as exc:
-            raise JobError(f"{self.path(JOB_FILE)} is not valid JSON: not a deepinfer output") from exc
+            raise JobError(corrupt) from exc
+
+    def read_job(self) -> dict | None:
+        """The ``_job.json`` record, or None when the output holds no job yet."""
+        path = self.path(JOB_FILE)
+        return self._read_json(path, f"{path} is not valid JSON: not a deepinfer output")
 
     def read_success(self) -> dict | None:
         data = storage.read_bytes(self.fs, self.path(SUCCESS_FILE))
@@ -80,13 +85,7 @@ class OutputReader:
         return {n[: -len(".json")] for n in names if n.endswith(".json") and is_part_id(n[: -len(".json")])}
 
     def read_marker(self, part_id: str) -> dict | None:
-        data = storage.read_bytes(self.fs, self.marker_path(part_id))
-        if data is None:
-            return None
-        try:
-            return json.loads(data)
-        except ValueError as exc:
-            raise JobError(f"commit marker of part {part_id} is corrupt") from exc
+        return self._read_json(self.marker_path(part_id), f"commit marker of part {part_id} is corrupt")
 
     def read_markers(self) -> dict[str, dict]:
         """part_id -> marker, for every committed part, in part order (fetched concurrently on S3)."""
