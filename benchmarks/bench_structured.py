@@ -14,6 +14,14 @@ tokenizer's, so every logits column is a real token the grammar must decide on. 
 earlier setup (the 576-id demo BPE inside a 128,256-wide row) for comparison with older results.
 After a warm-up of each arm, the arms alternate (unconstrained, constrained, unconstrained, ...) for
 `--runs` pairs; medians, min/max and the median of the per-pair slowdowns are reported. Needs llguidance.
+
+Mask filling is reported per constrained run: worker time filling masks per step (`fill_ms_per_step`), the
+part of it sampling had to wait for (`wait_ms_per_step`: not hidden behind the forward and the host's other
+work) and `overlapped_fraction` = 1 - wait / fill. `--prefetch-ab` adds a third arm with the prefetch off
+(masks filled only when the step samples, the earlier behaviour; same outputs).
+
+`--device cpu` is a quick host-side check on a small machine: a 2-layer Llama of the 8B shape's vocabulary
+(the 128k BPE), float32, e.g. `--device cpu --num-prompts 16 --prompt-len 32 --max-tokens 32 --runs 3`.
 """
 
 from __future__ import annotations
@@ -43,8 +51,16 @@ SCHEMA = {
 }
 
 
-def model_dir_for(shape: str, tokenizer: str, root: Path) -> Path:
+# CPU check: the 8B shape's vocabulary and layer type at a size a 2-core machine runs in seconds.
+CPU_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "float32"}
+
+
+def model_dir_for(shape: str, tokenizer: str, root: Path, cpu: bool = False) -> Path:
     """The shape's config + tokenizer; with the 128k BPE, vocab_size is the tokenizer's own size."""
+    if cpu:
+        SHAPES[f"{shape}-cpu"] = dict(SHAPES[shape], **CPU_SHAPE)
+        shape = f"{shape}-cpu"
     if tokenizer == "demo":
         return write_shape(shape, root)
     import shutil
@@ -75,23 +91,39 @@ def run(llm, prompts, params, rec: StepRecorder | None = None) -> dict:
     return {"seconds": dt, "output_tokens": n, "out_tok_s": n / dt, "outputs": outs}
 
 
+def mask_counters(llm) -> dict:
+    return dict(llm.structured.mask_stats())
+
+
+def mask_summary(before: dict, after: dict) -> dict:
+    """Per-step mask figures of one run from the manager's cumulative counters."""
+    steps = max(1, after["mask_steps"] - before["mask_steps"])
+    fill = after["fill_seconds"] - before["fill_seconds"]
+    wait = after["wait_seconds"] - before["wait_seconds"]
+    return {"steps": steps, "rows_per_step": (after["mask_rows"] - before["mask_rows"]) / steps,
+            "fill_ms_per_step": 1000 * fill / steps, "wait_ms_per_step": 1000 * wait / steps,
+            "overlapped_fraction": max(0.0, 1 - wait / fill) if fill > 0 else 0.0}
+
+
 def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
     """Host-side cost per step of the constrained batch alone: mask fill, mask apply, matcher advance."""
     from deepinfer.engine.core.sequence import Sequence
 
     m = llm.structured
+    m.prefetch = False  # each step's fill is timed alone, from masks_for to the fill's end
     seqs = [Sequence(seq_id=i, prompt_token_ids=[5] * 8, params=p, seed=i) for i, p in enumerate(params)]
     for s in seqs:
         m.add(s)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
     tot = {"fill": 0.0, "apply": 0.0, "accept": 0.0}
     for _ in range(steps):
         t0 = time.perf_counter()
         job = m.masks_for(seqs)
         job.wait()
         t1 = time.perf_counter()
-        logits = torch.randn(len(seqs), vocab, device="cuda", generator=g)
-        torch.cuda.synchronize()
+        logits = torch.randn(len(seqs), vocab, device=dev, generator=g)
+        sync()
         t2 = time.perf_counter()
         job.apply(logits)
         toks = logits.argmax(-1).tolist()
@@ -104,6 +136,9 @@ def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
         tot["fill"] += t1 - t0
         tot["apply"] += t3 - t2
         tot["accept"] += t4 - t3
+    m.prefetch = True
+    for s in seqs:
+        m.free(s)
     return {k: 1000 * v / steps for k, v in tot.items()}
 
 
@@ -115,6 +150,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tokenizer", choices=["bpe128k", "demo"], default="bpe128k")
     ap.add_argument("--runs", type=int, default=3, help="measured (unconstrained, constrained) pairs")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="a third arm: JSON schema with the mask prefetch off (filled at sampling only)")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more profiled pair: GPU busy fraction and host ms per decode step")
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
@@ -127,14 +165,16 @@ def main() -> None:
 
     out = JsonOut(args.out)
     t0 = time.perf_counter()
-    model_dir = model_dir_for(args.shape, args.tokenizer, Path(tempfile.mkdtemp()))
+    cpu = args.device == "cpu"
+    model_dir = model_dir_for(args.shape, args.tokenizer, Path(tempfile.mkdtemp()), cpu=cpu)
     tokenizer_s = time.perf_counter() - t0
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
-    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
-              max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.num_prompts,
-              gpu_memory_utilization=0.85)
+    extra = {} if cpu else {"gpu_memory_utilization": 0.85}
+    llm = LLM(model=str(model_dir), dtype="float32" if cpu else "bfloat16", device=args.device,
+              load_format="dummy", max_model_len=args.prompt_len + args.max_tokens + 16,
+              max_num_seqs=args.num_prompts, **extra)
     rec = StepRecorder(llm)
     t0 = time.perf_counter()
     _ = llm.structured  # the manager is built here (tokenizer vocabulary processing)
@@ -155,22 +195,30 @@ def main() -> None:
                for i, o in enumerate(warm["outputs"])]
     run(llm, prompts, sp_free)  # warm-up of the unconstrained arm
     arms = {"unconstrained": sp_free, "json_schema": sp_json}
+    if args.prefetch_ab:
+        arms["json_schema_no_prefetch"] = sp_json
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     steps: dict[str, dict] = {}
+    masks: dict[str, list[dict]] = {a: [] for a in arms if a != "unconstrained"}
     cons = None
     for i in range(args.runs):
         for arm, params in arms.items():  # ABAB...: drift on a shared machine falls on both arms alike
             rec.reset()
+            llm.structured.prefetch = arm != "json_schema_no_prefetch"
+            before = mask_counters(llm)
             r = run(llm, prompts, params, rec)
             steps[arm] = rec.host_summary()
-            if arm == "json_schema":
-                assert [o.token_ids for o in r["outputs"]] == [o.token_ids for o in warm["outputs"]]
-                cons = r
             row = {k: v for k, v in r.items() if k != "outputs"}
+            if arm != "unconstrained":
+                assert [o.token_ids for o in r["outputs"]] == [o.token_ids for o in warm["outputs"]]
+                cons = r if arm == "json_schema" else cons
+                row["masks"] = mask_summary(before, mask_counters(llm))
+                masks[arm].append(row["masks"])
             runs[arm].append(row)
             out.line({"arm": arm, "run": i, **row})
     finished = [o for o in cons["outputs"] if o.finish_reason == "stop"]
     valid = sum(output_satisfies("json_schema", SCHEMA, o.text) for o in finished)
+    llm.structured.prefetch = True
     costs = mask_costs(llm, sp_json, vocab)
     tps = {a: [r["out_tok_s"] for r in rs] for a, rs in runs.items()}
     pair_slowdowns = [1 - c / f for f, c in zip(tps["unconstrained"], tps["json_schema"])]
@@ -178,7 +226,9 @@ def main() -> None:
         "bench": "structured", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host_costs_ms_per_step": costs, "tokenizer": args.tokenizer, "vocab_size": vocab,
         "tokenizer_build_s": tokenizer_s,
-        "shape": args.shape, "gpu": torch.cuda.get_device_name(), "num_prompts": args.num_prompts,
+        "shape": args.shape + ("-cpu" if cpu else ""), "num_prompts": args.num_prompts,
+        "gpu": torch.cuda.get_device_name() if not cpu else None,
+        "cpu_threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": args.runs,
         "manager_build_s": build_s, "schema_compile_s": compile_s, "schema_cached_s": cached_s,
         "json_schema_first_pass_s": warm["seconds"],
@@ -190,11 +240,21 @@ def main() -> None:
         "finished": len(finished), "finished_valid": valid,
         "slowdown": 1 - statistics.median(tps["json_schema"]) / statistics.median(tps["unconstrained"]),
         "pair_slowdowns": spread(pair_slowdowns),
+        "masks": {arm: {k: spread([m[k] for m in ms]) for k in ("fill_ms_per_step", "wait_ms_per_step",
+                                                               "overlapped_fraction", "rows_per_step")}
+                  for arm, ms in masks.items()},
     }
+    if args.prefetch_ab:
+        off = runs["json_schema_no_prefetch"]
+        result["json_schema_no_prefetch"] = {
+            "out_tok_s": spread([r["out_tok_s"] for r in off]), "steps": steps.get("json_schema_no_prefetch"),
+            "prefetch_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
+                                                                    [r["out_tok_s"] for r in off])])}
     if args.profile_steps:
         prof: dict[str, dict] = {}
         for arm, params in arms.items():
             rec.reset()
+            llm.structured.prefetch = arm != "json_schema_no_prefetch"
             with rec.profiled():
                 run(llm, prompts, params, rec)
             prof[arm] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}

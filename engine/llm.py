@@ -9,7 +9,6 @@ from collections.abc import Sequence as SeqType
 from typing import TYPE_CHECKING
 
 import torch
-from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.core.finish import FinishRules
@@ -21,16 +20,24 @@ from deepinfer.engine.core.kv_cache import (
 )
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.core.window_blocks import make_block_manager
 from deepinfer.engine.layers.backends import make_ops
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.loader import iter_weights, resolve_dtype, resolve_model_dir
+from deepinfer.engine.models.quant.fp8_format import plan_quantization, read_checkpoint_format
+from deepinfer.engine.models.quant.fp8_loading import init_dummy_with_plan, load_with_plan
+from deepinfer.engine.models.quant.kv_fp8 import check_kv_layout, kv_cache_torch_dtype
 from deepinfer.engine.models.registry import build_model
 from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.parallel.setup import check_tensor_parallel_size, tensor_parallel_model
 from deepinfer.engine.runner.cuda_graphs import env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed, sample_seed
+from deepinfer.engine.spec_decode.config import MTPConfig
+from deepinfer.engine.spec_decode.setup import MTPLoader, attach_draft_cache
+from deepinfer.engine.spec_decode.step import SpecDecoder
 from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 from deepinfer.engine.text.output_processor import OutputProcessor
 from deepinfer.engine.text.tokenizer import Tokenizer
@@ -81,10 +88,22 @@ class LLM:
         allow_pickle: bool = False,
         enable_cuda_graphs: bool = True,
         async_scheduling: bool = True,
+        quantization: str | None = "auto",
+        kv_cache_dtype: str = "auto",
+        speculative_mtp: bool | MTPConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """enable_cuda_graphs: capture decode steps as CUDA graphs at start-up (CUDA only; off with
         DEEPINFER_DISABLE_CUDA_GRAPHS=1). async_scheduling: overlap host work with the device step
-        (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic mode."""
+        (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic mode.
+        quantization: None (model dtype; FP8 checkpoints dequantized), "auto" (FP8 GEMMs for an FP8
+        checkpoint on CUDA) or "fp8" (also quantizes a bf16 checkpoint at load); see models/quant/.
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-head scales; about twice the
+        sequences fit). speculative_mtp: draft with a DeepSeek checkpoint's MTP layer and verify exactly
+        (engine/spec_decode/; same output bytes): True / an MTPConfig turns it on, False off, None reads
+        DEEPINFER_ENABLE_MTP_VARLEN=1. Models without an MTP layer run without it (a warning says why).
+        tensor_parallel_size: shard the model over N devices (rank 0 here, ranks 1..N-1 in worker
+        processes; engine/parallel/); decode steps then run without CUDA graphs."""
         self.device = _resolve_device(device)
         self.model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -118,33 +137,55 @@ class LLM:
             cpu_kv_cache_gib=cpu_kv_cache_gib, enable_prefix_caching=enable_prefix_caching,
         )
         ops = make_ops(self.device, deterministic)
-        self.model = build_model(mc, ops, self.dtype, self.device, max_model_len=max_model_len)
+        self.quant_plan = plan_quantization(quantization, read_checkpoint_format(self.model_dir),
+                                            self.device.type)
+        kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
+        if check_tensor_parallel_size(tensor_parallel_size) == 1:
+            self.model = build_model(mc, ops, self.dtype, self.device, max_model_len=max_model_len)
+        else:
+            self.model = tensor_parallel_model(
+                tensor_parallel_size, model_dir=self.model_dir, dtype=self.dtype, device=self.device,
+                deterministic=deterministic, max_model_len=max_model_len, allow_pickle=allow_pickle,
+                quant_plan=self.quant_plan)
+        mtp = MTPLoader.for_model(speculative_mtp, mc, self.model)   # None unless asked for and possible
         if load_format == "dummy":
-            self.model.init_dummy_weights(seed)
+            init_dummy_with_plan(self.model, self.quant_plan, seed)
         elif load_format == "auto":
-            self.model.load_weights(iter_weights(self.model_dir, self.device, allow_pickle=allow_pickle))
+            weights = iter_weights(self.model_dir, self.device, allow_pickle=allow_pickle)
+            load_with_plan(self.model, mtp.collect(weights) if mtp else weights, self.quant_plan)
         else:
             raise ValueError(f"load_format={load_format!r}: expected 'auto' or 'dummy'")
-        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, self.dtype)
+        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, kv_dtype)
+        check_kv_layout(self.model, kv_dtype)
         # A model may keep its own cache layout (MLA: one latent per token and layer); Llama keeps K/V.
+        configure = getattr(self.model, "configure_kv_cache", None)
+        if configure is not None:   # DeepSeek-V4: bounded window cache unless prefix caching needs all tokens
+            configure(enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         spec = self.kv_cache_spec = cache_layout_for(self.model, spec)
+        draft = mtp.build(seed + 1 if load_format == "dummy" else None, self.quant_plan) if mtp else None
+        if draft is not None:   # the draft's latent layer joins the cache layout: same blocks and slots
+            spec = self.kv_cache_spec = attach_draft_cache(spec)
         n_blocks = blocks_that_fit(spec, cache_cfg, self.device)
         self.cache_cfg = dataclasses.replace(cache_cfg, num_blocks=n_blocks)
         kv_caches = allocate_kv_cache_for(self.model, spec, n_blocks, self.device)
+        draft_cache = kv_caches.pop() if draft is not None else None
         # One handle for the engine core, the runner and the finish rules; the manager behind it is built on
         # the first constrained request (compiling the vocabulary for llguidance costs time).
         self._structured = LazyStructuredOutputs(
             self.model_dir / "tokenizer.json", mc.vocab_size, self.eos_token_ids, max_model_len=max_model_len,
         )
-        block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
+        block_manager = make_block_manager(spec, n_blocks, block_size, enable_prefix_caching)
         finish_rules = FinishRules(max_model_len, self._structured)
         scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager, finish_rules)
         runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device, self._structured)
         graphs = make_decode_graphs(self.model, kv_caches, block_size, max_model_len, max_num_seqs,
-                                    self.device, enable_cuda_graphs)
+                                    self.device, enable_cuda_graphs and tensor_parallel_size == 1)
+        spec_decoder = (SpecDecoder(mtp.cfg, draft, draft_cache, scheduler, runner)
+                        if mtp is not None and draft is not None else None)
         self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured,
                                  executor=StepExecutor(runner, graphs),
-                                 async_scheduling=async_scheduling and not env_flag("DEEPINFER_SYNC_LOOP"))
+                                 async_scheduling=async_scheduling and not env_flag("DEEPINFER_SYNC_LOOP"),
+                                 spec=spec_decoder)
         self._ids = itertools.count()
 
     @property
@@ -156,7 +197,7 @@ class LLM:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
-    def get_stats(self) -> dict[str, float | int | bool | list[int]]:
+    def get_stats(self) -> dict[str, float | int | bool | str | list[int] | None]:
         """Engine counters: loop mode, steps, CUDA-graph buckets, capture time and memory, spec decoding."""
         return self.engine.stats()
 

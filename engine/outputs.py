@@ -36,6 +36,10 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None   # one dict per generated token (SamplingParams.logprobs)
     seed: int | None = None            # the seed this sample drew from (see LLM.generate on n > 1)
     cumulative_logprob: float | None = None          # sum of the sampled tokens' logprobs (when reported)
+    # SamplingParams.json_schema_mode='validate': whether the text is JSON the whole schema accepts, and
+    # why not when it is not (None for other requests).
+    schema_valid: bool | None = None
+    schema_error: str | None = None
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """deepinfer's Triton kernels (CUDA), each batch-invariant and paired with a plain-torch `*_ref` reference.
 
 Modules: matmul (bi_linear), rmsnorm (rms_norm), activation (silu_and_mul), store_kv (store_kv),
-paged_attention (paged_attention, store_kv). Importing this package does not import Triton; import the
-kernel modules only after `triton_available()` says they can run.
+paged_attention (paged_attention, store_kv), fp8_matmul (quantize_act, fp8_linear, fp8_grouped_linear),
+kv_fp8 (store_kv_fp8), MLA: store_mla, mla_proj (head_proj), mla_decode (mla_decode, split-KV), MoE:
+fused_moe (fused_moe, moe_align). Importing this package does not import Triton; import the kernel
+modules only after `triton_available()` says they can run.
 """
 
 from __future__ import annotations

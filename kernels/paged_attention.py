@@ -54,12 +54,12 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    plan_ptr, qsl_ptr, pos_ptr, bt_ptr,
+    plan_ptr, qsl_ptr, pos_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,6 +87,8 @@ def _paged_attention_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
+    if KV_FP8:  # e4m3 cache: the head's key scale folds into the score scale, its value scale into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     for j in range(0, last_pos // BLOCK_N + 1):
         kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos <= last_pos
@@ -94,6 +96,8 @@ def _paged_attention_kernel(
         offset = kv_pos % BLOCK_SIZE
         k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
                     mask=kv_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -107,6 +111,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
                     mask=kv_ok[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -114,6 +120,8 @@ def _paged_attention_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -158,13 +166,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
 
     The new token at absolute position p (meta.positions) of sequence b attends to positions [0, p] of b,
     read through meta.block_tables[b]; this step's keys/values must already be in the cache (`store_kv`).
+    An e4m3 cache (kernels/kv_fp8.py) comes with float32 per-kv-head `k_scale` / `v_scale` [Hkv].
     """
-    check_attention_args(q, k_cache, v_cache, meta)
+    kv_fp8 = k_scale is not None
+    check_attention_args(q, k_cache, v_cache, meta, kv_fp8=kv_fp8)
     num_tokens, num_q_heads, head_dim = q.shape
     if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"q: head_dim {head_dim} unsupported (must be a power of two in [16, 256])")
@@ -182,12 +194,13 @@ def paged_attention(
     _paged_attention_kernel[(plan.shape[0] // 2, num_kv_heads)](
         q, k_cache, v_cache, out,
         plan, meta.query_start_loc, meta.positions, bt,
+        k_scale if kv_fp8 else q, v_scale if kv_fp8 else q,
         float(scale) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         GROUP=group, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -151,6 +151,10 @@ class ErrorCode(str, enum.Enum):
     TRUNCATED = "TRUNCATED"  # output_schema set and generation hit max_tokens (finish_reason "length")
     DUPLICATE_ID = "DUPLICATE_ID"  # an earlier row (input order) has the same id; that one is processed
     BAD_FILE = "BAD_FILE"  # input.on_bad_file: quarantine, and this row's file cannot be read
+    SCHEMA_VIOLATION = "SCHEMA_VIOLATION"  # output_schema_mode: validate, the answer breaks the full schema
+    BAD_MESSAGES = "BAD_MESSAGES"  # prompt.messages_column / body.messages is not a {role, content} list
+    BAD_CHOICES = "BAD_CHOICES"  # eval.choices_column is not a non-empty list of option strings
+    BAD_REQUEST = "BAD_REQUEST"  # an OpenAI Batch line's method, url or body parameter cannot be honoured
 
 
 @cache

@@ -6,7 +6,9 @@ is computed from the committed parts once every part is in (before _SUCCESS), so
 whether the job ran in one go or was killed and resumed.
 
 Metrics (schemas/job.schema.json has the user-facing wording): exact_match, contains, regex_match (an
-extraction pattern), json_field_match (a dotted field of the text parsed as JSON). Each score is 1.0 or
+extraction pattern), json_field_match (a dotted field of the text parsed as JSON), choice_loglikelihood
+(the option of `choices_column` with the highest log-likelihood given the prompt is the reference; the
+log-likelihoods come from the engine's prompt logprobs, see stages/choices.py). Each score is 1.0 or
 0.0, or null when the row's reference is null (such rows are left out of n). The standard error is the
 sample standard deviation (n - 1) over sqrt(n), null for n < 2.
 """
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SCORE_PREFIX = "score_"
+LOGLIK_PREFIX = "loglik_"  # choice_loglikelihood: the per-option log-likelihoods, list<double>
+CHOICE_METRIC = "choice_loglikelihood"
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
@@ -47,6 +51,7 @@ class EvalSpec:
     metrics: tuple[Metric, ...]
     normalize: tuple[str, ...]
     group_by: str | None
+    choices_column: str | None = None
 
     @classmethod
     def from_document(cls, section: dict) -> EvalSpec:
@@ -56,16 +61,24 @@ class EvalSpec:
             metrics.append(Metric(item["metric"], item.get("name") or item["metric"], item.get("pattern"),
                                   item.get("field")))
         return cls(section["reference_column"], tuple(metrics), tuple(section.get("normalize") or ()),
-                   section.get("group_by"))
+                   section.get("group_by"), section.get("choices_column"))
 
     @property
     def input_columns(self) -> tuple[str, ...]:
         """Input columns the scores need in the parts (kept automatically)."""
-        return tuple(c for c in (self.reference_column, self.group_by) if c)
+        return tuple(c for c in (self.reference_column, self.group_by, self.choices_column) if c)
 
     @property
     def score_columns(self) -> tuple[str, ...]:
-        return tuple(m.column for m in self.metrics)
+        """Every column the eval adds to the parts (score_*, and loglik_* of choice metrics)."""
+        cols: list[str] = []
+        for m in self.metrics:
+            cols += [m.column, LOGLIK_PREFIX + m.name] if m.kind == CHOICE_METRIC else [m.column]
+        return tuple(cols)
+
+    @property
+    def needs_loglikelihoods(self) -> bool:
+        return any(m.kind == CHOICE_METRIC for m in self.metrics)
 
 
 def eval_problems(section: Any) -> list[str]:
@@ -92,6 +105,14 @@ def eval_problems(section: Any) -> list[str]:
         elif kind != "json_field_match" and "field" in item:
             problems.append(f"{where}.field: only json_field_match takes a field")
         names.append(item.get("name") or kind)
+    has_choice = any((m if isinstance(m, str) else m.get("metric")) == CHOICE_METRIC
+                     for m in section.get("metrics") or ())
+    if has_choice and not section.get("choices_column"):
+        problems.append("eval.choices_column: choice_loglikelihood needs the input column that holds each "
+                        "row's options (a list of strings)")
+    elif section.get("choices_column") and not has_choice:
+        problems.append("eval.choices_column: only used by the choice_loglikelihood metric; add it to "
+                        "eval.metrics or remove choices_column")
     for name in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"eval.metrics: two metrics are named {name!r}; give each a unique `name`")
     return problems
@@ -152,19 +173,45 @@ class Scorer:
         value = _json_field(text, str(metric.field))
         return float(value is not None and self.norm(_as_text(value)) == ref)
 
-    def score(self, text: str | None, reference: Any) -> list[float | None]:
+    def _choice(self, reference: Any, choices: Any, logliks: list[float] | None) -> float | None:
+        """1.0 when the most likely option (the first of equals) is the reference: an int is an option's
+        index, anything else is compared as normalized text; None when the reference names no option."""
+        if not logliks or not isinstance(choices, list) or len(choices) != len(logliks):
+            return None
+        if isinstance(reference, int) and not isinstance(reference, bool):
+            want = reference if 0 <= reference < len(choices) else None
+        else:
+            ref = self.norm(_as_text(reference))
+            want = next((i for i, c in enumerate(choices) if self.norm(_as_text(c)) == ref), None)
+        if want is None:
+            return None
+        best = max(range(len(logliks)), key=lambda i: (logliks[i], -i))
+        return float(best == want)
+
+    def score(self, text: str | None, reference: Any, choices: Any = None,
+              logliks: list[float] | None = None) -> list[float | None]:
         if reference is None:
             return [None] * len(self.spec.metrics)
         ref = self.norm(_as_text(reference))
-        return [self._one(m, text or "", ref) for m in self.spec.metrics]
+        return [self._choice(reference, choices, logliks) if m.kind == CHOICE_METRIC
+                else self._one(m, text or "", ref) for m in self.spec.metrics]
 
-    def columns(self, texts: list[str | None], references: list[Any]) -> list[tuple[str, Any]]:
-        """(score column name, float64 pyarrow array) per metric for a part's rows."""
+    def columns(self, texts: list[str | None], references: list[Any], choices: list[Any] | None = None,
+                logliks: list[list[float] | None] | None = None) -> list[tuple[str, Any]]:
+        """(column name, pyarrow array) for a part's rows: score_<name> (float64) per metric, and for
+        choice_loglikelihood also loglik_<name> (list<double>, the options' log-likelihoods)."""
         import pyarrow as pa  # here, not at the top: spec validation imports this module and no pyarrow
 
-        scores = [self.score(t, r) for t, r in zip(texts, references)]
-        return [(m.column, pa.array([s[i] for s in scores], type=pa.float64()))
-                for i, m in enumerate(self.spec.metrics)]
+        n = len(texts)
+        choices = choices if choices is not None else [None] * n
+        logliks = logliks if logliks is not None else [None] * n
+        scores = [self.score(*args) for args in zip(texts, references, choices, logliks)]
+        out: list[tuple[str, Any]] = []
+        for i, m in enumerate(self.spec.metrics):
+            out.append((m.column, pa.array([s[i] for s in scores], type=pa.float64())))
+            if m.kind == CHOICE_METRIC:
+                out.append((LOGLIK_PREFIX + m.name, pa.array(logliks, type=pa.list_(pa.float64()))))
+        return out
 
 
 def summarize(values: list[float]) -> dict[str, Any]:

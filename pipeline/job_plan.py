@@ -7,9 +7,9 @@ column, a prompt too long for the model, a duplicate id, an undecodable line). R
 quarantined during generation (an output_schema violation, a truncated JSON); plan cannot predict those.
 
 Token figures are over the rows that would run. Percentiles use the nearest-rank rule (the smallest value
-with at least p% of the rows at or below it). The output-token bound is rows x sampling.max_tokens. The
-engine-hour estimate uses the measured rates of plan_rates.py for the model's shape, and says so when the
-shape was never measured.
+with at least p% of the rows at or below it). The output-token bound is rows x sampling.max_tokens x
+sampling.n (a Batch body's own max_tokens and n for its row). The engine-hour estimate uses the measured
+rates of plan_rates.py for the model's shape, and says so when the shape was never measured.
 """
 
 from __future__ import annotations
@@ -66,16 +66,20 @@ def plan_spec(spec: JobSpec) -> dict[str, Any]:
     tasks = mark_duplicates(spec, listing, part_tasks(listing, planned))
     stage_plan = StagePlan.from_spec(spec)
     lengths: list[int] = []
+    bounds: list[int] = []  # per row: max_tokens x n (a Batch body's own values where it sets them)
     quarantined: dict[str, dict[str, Any]] = {}
     for task in tasks:
         table = prepare_part(stage_plan, task)
         cols = {n: table.column(n).to_pylist() for n in ("__row_id", "__plen", "__err_stage", "__err_code",
-                                                         "__err_msg", "__file", "__row")}
+                                                         "__err_msg", "__file", "__row", "__aux")}
         # prepare_part sorts by length; examples are listed in input order
         for i in sorted(range(table.num_rows), key=lambda i: (cols["__file"][i], cols["__row"][i])):
             code = cols["__err_code"][i]
             if code is None:
                 lengths.append(int(cols["__plen"][i]))
+                params = (json.loads(cols["__aux"][i]) if cols["__aux"][i] else {}).get("params") or {}
+                bounds.append(params.get("max_tokens", spec.sampling.max_tokens)
+                              * params.get("n", spec.sampling.n))
                 continue
             entry = quarantined.setdefault(code, {"stage": cols["__err_stage"][i], "rows": 0,
                                                   "examples": [], "message": cols["__err_msg"][i]})
@@ -85,7 +89,7 @@ def plan_spec(spec: JobSpec) -> dict[str, Any]:
     max_tokens = spec.sampling.max_tokens
     max_len = model_max_len(model_dir, spec.model.max_model_len)
     prompt = _token_stats(lengths)
-    output_bound = len(lengths) * max_tokens
+    output_bound = sum(bounds)
     points = 1
     if spec.sweep is not None:
         from deepinfer.pipeline.sweep import point_specs
@@ -106,6 +110,12 @@ def plan_spec(spec: JobSpec) -> dict[str, Any]:
     }
 
 
+def _per_row_note(plan: dict[str, Any]) -> str:
+    """Where the bound is not rows x max_tokens (sampling.n, or Batch rows with their own values)."""
+    plain = plan["rows"]["would_run"] * plan["max_tokens"]
+    return "" if plan["output_tokens_bound"] == plain else " x n, or each row's own max_tokens and n"
+
+
 def render_plan(plan: dict[str, Any]) -> str:
     """The plan as the lines `deepinfer-job plan` prints."""
     rows, prompt, inp = plan["rows"], plan["prompt_tokens"], plan["input"]
@@ -118,7 +128,7 @@ def render_plan(plan: dict[str, Any]) -> str:
         f"prompt tokens: {prompt['total']:,} total; p50 {prompt['p50']:,}, p90 {prompt['p90']:,}, "
         f"p99 {prompt['p99']:,}, max {prompt['max']:,}",
         f"output tokens: at most {plan['output_tokens_bound']:,} ({rows['would_run']:,} rows x max_tokens "
-        f"{plan['max_tokens']:,})",
+        f"{plan['max_tokens']:,}{_per_row_note(plan)})",
     ]
     if plan["rows_over_max_model_len"]:
         lines.append(f"  {plan['rows_over_max_model_len']:,} rows have prompt + max_tokens > max_model_len: "

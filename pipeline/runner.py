@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -44,6 +44,9 @@ class SubmitOptions:
     verbose: bool = False
     summary_json: str | None = None
     progress: bool = True
+    # Replaces the spec's executor for this run (same signature as _execute): a sweep feeds its points
+    # from one shared engine (sweep_run.py). None: the executor runtime.executor names.
+    execute: Callable[[JobSpec, StagePlan, list[PartTask], SubmitOptions], Iterator[pa.Table]] | None = None
 
 
 def check_model(spec: JobSpec) -> str:
@@ -88,6 +91,34 @@ def plan_job(listing: list[InputFile], rows_per_part: int) -> list[PartSpec]:
     return plan_parts([(f.url, f.num_rows) for f in listing], rows_per_part)
 
 
+# Most duplicate rows recorded in _job.json (each ~8 bytes of JSON); a job with more (past any sane error
+# budget) repeats the id pass on resume instead of carrying a huge record.
+MAX_RECORDED_DUPLICATES = 1_000_000
+
+
+def _recordable(duplicates: dict[int, list[int]]) -> bool:
+    return sum(len(v) for v in duplicates.values()) <= MAX_RECORDED_DUPLICATES
+
+
+def stored_duplicates(spec: JobSpec) -> dict[int, list[int]] | None:
+    """The duplicate-id verdict the run that started this output recorded in _job.json; None when there
+    is none (no job yet, an older record, unreadable: the id pass then runs as on a first run)."""
+    from deepinfer.pipeline.output import storage
+    from deepinfer.pipeline.output.layout import JOB_FILE
+
+    if spec.input.id_column is None:
+        return None
+    try:
+        fs, root = storage.open_fs(spec.output.path, spec.output.storage_options)
+        data = storage.read_bytes(fs, storage.join(root, JOB_FILE))
+        found = json.loads(data)["duplicates"] if data is not None else None
+        if not isinstance(found, dict):
+            return None
+        return {int(k): [int(r) for r in v] for k, v in found.items()}
+    except Exception:  # noqa: BLE001 - best effort: JobStore.open reports real problems with the path
+        return None
+
+
 def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
     """The part assembler of `spec`'s job: column types fixed from the whole input (also used by verify,
     which must rebuild a row exactly as the run that committed it did)."""
@@ -102,8 +133,17 @@ def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
         from deepinfer.pipeline.evaluation import Scorer
 
         scorer = Scorer(spec.eval)
+    batch_in = spec.input.format == "openai_batch"
+    batch_output = None
+    if spec.output.format == "openai_batch":
+        from deepinfer.pipeline.stages.openai_batch_output import BatchOutput
+
+        batch_output = BatchOutput(spec.model.name or spec.model.ref.rstrip("/").rsplit("/", 1)[-1])
     return PartAssembler(spec.id_column, spec.input.id_column is None, spec.output.keep_columns,
-                         spec.output_schema, keep_types, scorer)
+                         spec.output_schema, keep_types, scorer, samples=spec.sampling.n > 1 or batch_in,
+                         logprobs=spec.sampling.logprobs is not None or batch_in,
+                         prompt_logprobs=spec.sampling.prompt_logprobs is not None,
+                         batch_output=batch_output)
 
 
 def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions
@@ -195,8 +235,16 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     """
     stats = RunStats(rows_total=0, parts_total=0)  # its clock starts before the model and input checks
     model_dir = check_model(spec)
+    if spec.runtime.executor == "ray":  # before anything is written: local paths on a multi-node cluster
+        from deepinfer.pipeline.executors.ray_data import check_cluster_storage
+
+        check_cluster_storage(spec.input.path, spec.output.path, spec.runtime.shared_filesystem,
+                              options.address, options.verbose)
+    if spec.runtime.benchmark_stub_engine:
+        print("[deepinfer] runtime.benchmark_stub_engine: PIPELINE BENCHMARK MODE, no model runs; every "
+              "row's text is a placeholder (this output is fingerprinted as a stub job)", file=sys.stderr)
     from deepinfer.pipeline.output.ownership import stored_rows_per_part
-    from deepinfer.pipeline.stages.dedupe import mark_duplicates
+    from deepinfer.pipeline.stages.dedupe import find_duplicates, with_duplicates
 
     # A resume keeps the split into parts of the run that started the output (rows_per_part is a
     # runtime setting and may differ between a run and its resume).
@@ -205,8 +253,18 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     listing = list_input(spec.input.path, spec.input.format, spec.input.storage_options,
                          stride=rows_per_part, on_bad_file=spec.input.on_bad_file)
     planned = plan_job(listing, rows_per_part)
-    parts = mark_duplicates(spec, listing, part_tasks(listing, planned))
-    store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart)
+    tasks = part_tasks(listing, planned)
+    # The duplicate-id verdict reads every id of the input (the one pass over all rows a resume would
+    # repeat); the first run records it in _job.json and a resume reuses it. Safe: it is a function of
+    # the input alone, and JobStore.open refuses (exit 4) a recorded job whose fingerprint differs,
+    # before any part runs.
+    duplicates = None if stored is None else stored_duplicates(spec)
+    if duplicates is None and spec.input.id_column is not None:
+        duplicates = find_duplicates(listing, spec.input.format, spec.input.id_column,
+                                     spec.input.storage_options, on_bad_file=spec.input.on_bad_file)
+    parts = with_duplicates(tasks, duplicates) if duplicates else tasks
+    record = duplicates if duplicates is not None and _recordable(duplicates) else None
+    store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart, duplicates=record)
     try:
         if store.complete:
             print(f"deepinfer-job: {spec.output.path} already holds this job, complete; nothing to do",
@@ -289,7 +347,7 @@ def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
     if not todo:
         return 0
     collector = PartCollector(todo)
-    results = _execute(ctx.spec, StagePlan.from_spec(ctx.spec), todo, ctx.options)
+    results = (ctx.options.execute or _execute)(ctx.spec, StagePlan.from_spec(ctx.spec), todo, ctx.options)
     try:
         for batch in results:
             rows, out_tokens = ctx.stats.add_batch(batch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,6 +24,65 @@ def peak_rss_mb() -> float:
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class EngineSpec:
+    """One engine's MTP speculative-decoding figures in this run: sums of the per-call deltas its rows
+    carry (`__spec`, stages/generate.py) and its latest state. Drafting, once turned off, stays off for
+    the engine's life, so `active` is AND-ed and a reason kept: right whatever order batches arrive in."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    enabled: bool = False
+    active: bool = True
+    disabled_reason: str | None = None
+    estimated_speedup: float = 0.0
+    _latest: int = -1  # the engine's cumulative verify steps at the snapshot the speed-up comes from
+
+    def add(self, figures: dict[str, Any]) -> None:
+        self.drafted += figures["drafted"]
+        self.accepted += figures["accepted"]
+        self.verify_steps += figures["verify_steps"]
+        self.enabled = self.enabled or figures["enabled"]
+        self.active = self.active and figures["active"]
+        self.disabled_reason = self.disabled_reason or figures["disabled_reason"]
+        if figures["verify_steps_total"] >= self._latest:
+            self._latest = figures["verify_steps_total"]
+            self.estimated_speedup = figures["estimated_speedup"]
+
+    def entry(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "active": self.enabled and self.active,
+                "disabled_reason": self.disabled_reason, "drafted_tokens": self.drafted,
+                "accepted_tokens": self.accepted, "verify_steps": self.verify_steps,
+                **_rates(self.drafted, self.accepted, self.verify_steps),
+                "estimated_speedup": round(self.estimated_speedup, 6)}
+
+
+def _rates(drafted: int, accepted: int, verify_steps: int) -> dict[str, float]:
+    per_step = accepted / verify_steps if verify_steps else 0.0
+    return {"acceptance_rate": round(accepted / drafted, 6) if drafted else 0.0,
+            "mean_accepted_tokens_per_step": round(per_step, 6),
+            "mean_tokens_per_verify_step": round(1.0 + per_step, 6) if verify_steps else 0.0}
+
+
+def speculative_section(engines: dict[str, EngineSpec]) -> dict[str, Any]:
+    """The summary's `speculative` section: totals over the engines, then each engine. The speed-up is
+    each engine's own estimate (LLM.get_stats, over its life), weighted by its verify steps this run."""
+    drafted = sum(e.drafted for e in engines.values())
+    accepted = sum(e.accepted for e in engines.values())
+    steps = sum(e.verify_steps for e in engines.values())
+    speedup = sum(e.estimated_speedup * e.verify_steps for e in engines.values()) / steps if steps else 0.0
+    reasons = [e.disabled_reason for _, e in sorted(engines.items()) if e.disabled_reason]
+    return {
+        "enabled": any(e.enabled for e in engines.values()),
+        "active": any(e.enabled and e.active for e in engines.values()),
+        "disabled_reason": reasons[0] if reasons else None,
+        "drafted_tokens": drafted, "accepted_tokens": accepted, "verify_steps": steps,
+        **_rates(drafted, accepted, steps), "estimated_speedup": round(speedup, 6),
+        "engines": [{"engine": name, **e.entry()} for name, e in sorted(engines.items())],
+    }
 
 
 @dataclass
@@ -47,6 +107,7 @@ class RunStats:
     output_tokens: int = 0
     by_stage: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     engines: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0]))
+    spec: dict[str, EngineSpec] = field(default_factory=lambda: defaultdict(EngineSpec))
     started_at: str = field(default_factory=utc_now)
     start: float = field(default_factory=time.monotonic)
     start_epoch: float = field(default_factory=time.time)
@@ -56,9 +117,13 @@ class RunStats:
     def add_batch(self, batch: pa.Table) -> tuple[int, int]:
         """Count the work in a batch of ENGINE_SCHEMA rows; returns (rows, output tokens) for progress."""
         names = ["__plen", "__ntok", "__engine", "__gen_s"]
+        if "__spec" in batch.schema.names:
+            names.append("__spec")
         rows = batch.select(names).to_pylist()
         out_tokens = 0
         for r in rows:
+            if r.get("__spec") is not None and r["__engine"] is not None:
+                self.spec[r["__engine"]].add(json.loads(r["__spec"]))
             ntok = r["__ntok"] or 0
             out_tokens += ntok
             if r["__engine"] is not None:
@@ -129,6 +194,7 @@ class RunStats:
             "errors": {"fraction": round(self.error_fraction(), 6), "max_fraction": max_fraction,
                        "by_stage": {s: dict(sorted(c.items())) for s, c in sorted(self.by_stage.items())}},
             "engines": engines,
+            "speculative": speculative_section(self.spec),
         }
 
 
@@ -162,6 +228,12 @@ def format_summary(s: dict) -> str:
     for e in s["engines"]:
         lines.append(f"  engine {e['engine']}: {e['rows']} rows, {e['output_tokens']} tokens, "
                      f"{e['output_tokens_per_second']:.1f} tok/s while busy")
+    spec = s.get("speculative") or {}
+    if spec.get("drafted_tokens"):
+        lines.append(f"  mtp       {spec['drafted_tokens']} drafted, {spec['accepted_tokens']} accepted "
+                     f"({spec['acceptance_rate']:.1%}), {spec['mean_accepted_tokens_per_step']:.2f} accepted "
+                     f"per verify step, estimated speed-up {spec['estimated_speedup']:.2f}x"
+                     + (f"; turned off: {spec['disabled_reason']}" if spec["disabled_reason"] else ""))
     return "\n".join(lines)
 
 

@@ -9,8 +9,9 @@ Layout under the sweep's output.path::
 A point is the sweep's spec with the `sweep` section removed, the point's values set and output.path moved
 to points/<point-id>/. It is fingerprinted, committed and resumed exactly like a job submitted alone with
 those settings (which is why running one point alone gives the same bytes), so a killed sweep resumes
-point by point and a finished point is never recomputed. Points run one after the other in this process;
-on the local executor the points that use the same model share one engine (stages/generate.shared_engines).
+point by point and a finished point is never recomputed. Each model is built once per sweep
+(sweep_run.py): on the local executor the points run one after the other over one EngineCache; on the
+Ray executor the points that share engine settings run through one Ray Data pipeline and actor pool.
 
 Point ids: "key=value" pairs joined by ',' (grid keys, then zip keys, in spec order); values as JSON
 (strings bare); characters other than letters, digits and ``._=,+-`` become '_', and a long id is cut and
@@ -25,7 +26,6 @@ import itertools
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,13 +140,10 @@ def _write_json(url: str, storage_options: dict, name: str, value: Any) -> None:
 
 def run_sweep(spec: Any, options: Any) -> int:
     """Run every point (skipping finished ones); returns the first non-zero point exit code, else 0."""
-    from dataclasses import replace
-
     from deepinfer.pipeline.errors import OutputPathError
     from deepinfer.pipeline.output import storage
     from deepinfer.pipeline.output.layout import JOB_FILE
-    from deepinfer.pipeline.runner import run_job
-    from deepinfer.pipeline.stages.generate import shared_engines
+    from deepinfer.pipeline.sweep_run import run_points
 
     points = point_specs(spec)
     fs, root = storage.open_fs(spec.output.path, dict(spec.output.storage_options))
@@ -155,14 +152,8 @@ def run_sweep(spec: Any, options: Any) -> int:
                               "sweep an output path of its own")
     record = {"points": [{"id": p.id, "values": p.values} for p, _ in points], "spec": spec.document}
     _write_json(spec.output.path, dict(spec.output.storage_options), SWEEP_FILE, record)
-    summaries, code = {}, 0
-    point_options = replace(options, summary_json=None)
-    with shared_engines():
-        for i, (point, point_spec) in enumerate(points):
-            print(f"[deepinfer] sweep point {i + 1}/{len(points)}: {point.id}", file=sys.stderr)
-            rc = run_job(point_spec, point_options)
-            code = code or rc
-            summaries[point.id] = rc
+    summaries = run_points(points, options)
+    code = next((rc for rc in summaries.values() if rc), 0)
     if spec.eval is not None and code == 0:
         write_sweep_metrics(spec, [p for p, _ in points])
     if options.summary_json:

@@ -42,6 +42,7 @@ class CommittedRow:
     part_id: str
     row_id: str
     fields: dict[str, Any]
+    sample: int | None = None  # sample_index of a row of sampling.n > 1 (one committed row per sample)
 
 
 @dataclass
@@ -79,7 +80,8 @@ def read_committed_rows(reader: OutputReader, id_column: str, report: VerifyRepo
                 report.problems.append(f"part {part_id}: {obj['path']} does not match the sha256 in its "
                                        "commit marker (the file changed after it was committed)")
             for values in decode_table(data, marker["format"]).to_pylist():
-                rows.append(CommittedRow(part_id, _canonical_id(values.get(id_column)), values))
+                rows.append(CommittedRow(part_id, _canonical_id(values.get(id_column)), values,
+                                         values.get("sample_index")))
     return rows
 
 
@@ -158,8 +160,9 @@ def _check_fingerprint(spec: JobSpec, record: dict, listing: list, report: Verif
 
 
 def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: list[CommittedRow],
-              ) -> dict[tuple[str, str], tuple[dict[str, Any] | None, str | None]]:
-    """(part id, row id) -> (recomputed output row decoded like a committed one, or None and the error)."""
+              ) -> dict[tuple[str, str, int | None], tuple[dict[str, Any] | None, str | None]]:
+    """(part id, row id, sample index or None) -> (recomputed output row decoded like a committed one, or
+    None and the error; a quarantined row is entered under sample None)."""
     from deepinfer.pipeline.runner import make_assembler
     from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
@@ -169,7 +172,7 @@ def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: li
     wanted: dict[str, set[str]] = {}
     for r in rows:
         wanted.setdefault(r.part_id, set()).add(r.row_id)
-    out: dict[tuple[str, str], tuple[dict[str, Any] | None, str | None]] = {}
+    out: dict[tuple[str, str, int | None], tuple[dict[str, Any] | None, str | None]] = {}
     for part_id in sorted(wanted):
         prepared = prepare_part(plan, tasks[part_id])
         # only the rows the run processed carry their id without an error (duplicates are quarantined)
@@ -180,10 +183,11 @@ def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: li
         # through the output encoding and back: compare what a reader of the committed file sees
         decoded = decode_table(encode_table(ok, fmt), fmt).to_pylist() if ok.num_rows else []
         for values in decoded:
-            out[(part_id, _canonical_id(values.get(spec.id_column)))] = (values, None)
+            out[(part_id, _canonical_id(values.get(spec.id_column)), values.get("sample_index"))] = (values,
+                                                                                                  None)
         for e in errors.to_pylist():
             why = f"stage {e['stage']}, code {e['code']}: {e['message']}"
-            out.setdefault((part_id, e["id"]), (None, why))
+            out.setdefault((part_id, e["id"], None), (None, why))
     return out
 
 
@@ -209,7 +213,9 @@ def verify_output(url: str, sample: int, seed: int = 0, storage_options: dict | 
     tasks, listing = _job_tasks(spec, record, report)
     results = recompute(spec, tasks, listing, report.sampled)
     for row in report.sampled:
-        recomputed, error = results.get((row.part_id, row.row_id), (None, "the row was not recomputed"))
+        recomputed, error = results.get((row.part_id, row.row_id, row.sample),
+                                        results.get((row.part_id, row.row_id, None),
+                                                    (None, "the row was not recomputed")))
         diff = compare_row(row, recomputed, error)
         if diff:
             report.mismatched_rows.add(row.row_id)

@@ -81,6 +81,10 @@ class BlockManager:
         """Share of blocks referenced by sequences, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def token_capacity(self) -> int:
+        """The longest sequence (in KV slots) the cache can hold on its own."""
+        return self.num_blocks * self.block_size
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
@@ -203,6 +207,11 @@ class BlockManager:
                     self._free_plain.append(b)
         seq.block_table = []
         self._num_hashed.pop(seq.seq_id, None)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release a preempted `seq` (recomputed later): here the same as `free`; a manager that can keep
+        part of the state for a cheaper restore overrides it (core/window_blocks.py)."""
+        self.free(seq)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self._num_new_blocks(len(seq.block_table), num_tokens)):

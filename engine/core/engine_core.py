@@ -13,6 +13,7 @@ from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.text.output_processor import OutputProcessor
 
 if TYPE_CHECKING:
+    from deepinfer.engine.spec_decode.step import SpecDecoder
     from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 
 
@@ -26,9 +27,10 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, outputs: OutputProcessor,
                  structured: LazyStructuredOutputs | None = None, executor: StepExecutor | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, spec: SpecDecoder | None = None) -> None:
         """executor: how steps run on the device (default: eager, no graphs). async_scheduling: `run`
-        overlaps host work with the device (core/overlap.py) instead of stepping synchronously."""
+        overlaps host work with the device (core/overlap.py) instead of stepping synchronously. spec: MTP
+        speculative decoding (engine/spec_decode/); its steps run synchronously while it drafts."""
         self.scheduler = scheduler
         self.runner = runner
         self.outputs = outputs
@@ -36,6 +38,7 @@ class EngineCore:
         self.executor = executor if executor is not None else StepExecutor(runner)
         self.async_scheduling = async_scheduling
         self.overlap_stats = OverlapStats()
+        self.spec = spec
 
     def add(self, seq: Sequence) -> None:
         """Queue a request (ValueError from the scheduler when it can never run)."""
@@ -46,16 +49,19 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         """Run one forward pass synchronously; return the requests that finished in it."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            raise RuntimeError("scheduler produced an empty step while requests are pending")
-        finished = self.scheduler.update(out, self.executor.execute(out))
+        if self.spec is not None and self.spec.active:
+            finished = self.spec.step()
+        else:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise RuntimeError("scheduler produced an empty step while requests are pending")
+            finished = self.scheduler.update(out, self.executor.execute(out))
         if self.structured is not None:
             for seq in finished:
                 self.structured.free(seq)
         return finished
 
-    def stats(self) -> dict[str, float | int | bool | list[int]]:
+    def stats(self) -> dict[str, float | int | bool | str | list[int] | None]:
         """Counters of the loop and the device steps, and what the CUDA graphs cost at start-up."""
         o = self.overlap_stats
         return {
@@ -64,9 +70,10 @@ class EngineCore:
             "overlapped_steps": o.overlapped,
             "overlap_wasted_rows": o.wasted_rows,
             **self.executor.stats(),
-            # No draft model runs in this engine yet: nothing drafted or accepted (DESIGN.md contract).
+            # Without MTP nothing is drafted or accepted (DESIGN.md contract); with it, spec_decode/policy.py.
             "spec_drafted_tokens": 0,
             "spec_accepted_tokens": 0,
+            **(self.spec.stats_dict() if self.spec is not None else {}),
         }
 
     def abort_all(self) -> None:
@@ -80,7 +87,11 @@ class EngineCore:
             seq.block_hashes.clear()
 
     def run(self, on_finish: Callable[[Sequence], None]) -> None:
-        """Step until no request is pending, calling `on_finish` for each one as it finishes."""
+        """Step until no request is pending, calling `on_finish` for each one as it finishes. MTP steps are
+        synchronous; once drafting turns itself off the rest of the run takes the configured loop."""
+        while self.spec is not None and self.spec.active and self.scheduler.has_unfinished():
+            for seq in self.step():
+                on_finish(seq)
         if self.async_scheduling:
             run_overlapped(self, on_finish, self.overlap_stats)
             return

@@ -26,7 +26,7 @@ from collections import deque
 
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
-from deepinfer.engine.core.finish import FinishRules, token_finish_reason
+from deepinfer.engine.core.finish import Finish, FinishRules, token_finish_reason
 from deepinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     ScheduledSequence,
@@ -98,7 +98,7 @@ class Scheduler:
                 f"max_model_len={self.cfg.max_model_len}; shorten the prompt or raise max_model_len"
             )
         need = self.max_kv_tokens(seq)
-        capacity = self.block_manager.num_blocks * self.block_size
+        capacity = self.block_manager.token_capacity()
         if need > capacity:
             raise ValueError(
                 f"seq {seq.seq_id}: prompt of {p} tokens + up to {need + 1 - p} output tokens needs "
@@ -155,10 +155,11 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        self.block_manager.free(victim)
+        self.block_manager.preempt(victim)
         victim.num_computed_tokens = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
+        victim.draft_token_ids = []
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
@@ -176,6 +177,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            drafts = self._take_drafts(seq, n, budget)
             while not bm.can_append(seq, n):
                 # The lowest-priority sequence is at the tail and not yet scheduled this step.
                 victim = self.running[-1]
@@ -184,12 +186,25 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            bm.append_slots(seq, n)
+            bm.append_slots(seq, n + len(drafts))
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens))
-            budget -= n
+            out.scheduled.append(ScheduledSequence(seq, start, n + len(drafts), start + n == seq.num_tokens,
+                                                   drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget
+
+    def _take_drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The MTP drafts (engine/spec_decode/) `seq` verifies this step: only in a decode (n == 1), cut to
+        the token budget, and dropped when their slots would not fit without preempting. Consumed either
+        way."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if not drafts or n != 1 or seq.num_uncomputed_tokens != 1:
+            return []
+        drafts = drafts[:budget - 1]
+        if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -277,6 +292,9 @@ class Scheduler:
             j = sampled.get(seq.seq_id) if s.sample else None
             if s.sample and j is None:
                 raise RuntimeError(f"model runner returned no token for sampled seq {seq.seq_id}")
+            if j is not None and runner_out.spec_token_ids and seq.seq_id in runner_out.spec_token_ids:
+                self._apply_verdict(seq, self._commit_verified(s, runner_out), finished, text_finished)
+                continue
             if j is not None:
                 if launched:
                     if not seq.has_pending_token:
@@ -295,15 +313,42 @@ class Scheduler:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(lp)
-            verdict = self.finish_rules.check(seq)
-            if verdict is None:
-                continue
-            if verdict.by_token_rule:
-                self.finish(seq, verdict.reason)
-                finished.append(seq)
-            else:
-                text_finished.append((seq, verdict.reason))
+            self._apply_verdict(seq, self.finish_rules.check(seq), finished, text_finished)
         for seq, reason in text_finished:
             self.finish(seq, reason)
             finished.append(seq)
         return finished
+
+    def _apply_verdict(self, seq: Sequence, verdict: Finish | None, finished: list[Sequence],
+                       text_finished: list[tuple[Sequence, str]]) -> None:
+        if verdict is None:
+            return
+        if verdict.by_token_rule:
+            self.finish(seq, verdict.reason)
+            finished.append(seq)
+        else:
+            text_finished.append((seq, verdict.reason))
+
+    def _commit_verified(self, s: ScheduledSequence, runner_out: ModelRunnerOutput) -> Finish | None:
+        """An MTP verify step (engine/spec_decode/): append the step's tokens one by one, applying the finish
+        rules after each exactly as one-token steps would, and stop at the first that finishes the request.
+        Positions of rejected drafts (and of tokens after a finishing one) are not computed: their KV slots
+        stay allocated and are overwritten when those positions are computed, and a block is only ever
+        hashed from committed tokens."""
+        seq = s.seq
+        tokens = runner_out.spec_token_ids[seq.seq_id]
+        lps = runner_out.spec_logprobs[seq.seq_id] if runner_out.spec_logprobs else [None] * len(tokens)
+        seq.num_computed_tokens -= len(s.draft_token_ids) + 1 - len(tokens)
+        verdict = None
+        for token, lp in zip(tokens, lps, strict=True):
+            seq.output_token_ids.append(token)
+            if lp is not None:
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(lp)
+            verdict = self.finish_rules.check(seq)
+            if verdict is not None:
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                break
+        self.block_manager.mark_computed(seq)
+        return verdict

@@ -17,6 +17,10 @@ class ScheduledSequence:
     num_new_tokens: int
     # True when this step computes the sequence's last uncomputed token, so its logits are sampled.
     sample: bool
+    # MTP verify step (engine/spec_decode/): draft tokens appended after the sequence's last token, so the
+    # step computes positions [start, start + num_new_tokens) with num_new_tokens = 1 + len(draft) and
+    # samples every one of them. Empty for an ordinary step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -47,3 +51,8 @@ class ModelRunnerOutput:
     token_ids: list[int]
     # Per sampled row: token id -> logprob (sampled token + top-k), or None when not requested.
     logprobs: list[dict[int, float] | None]
+    # MTP verify steps (engine/spec_decode/): seq_id -> every token the step commits for that sequence (the
+    # accepted drafts, then the target's own token), and their logprob entries, in order. The first entry
+    # equals token_ids[j]. Sequences absent here commit token_ids[j] alone. None on ordinary steps.
+    spec_token_ids: dict[int, list[int]] | None = None
+    spec_logprobs: dict[int, list[dict[int, float] | None]] | None = None

@@ -44,6 +44,11 @@ class Sequence:
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     num_cached_tokens: int = 0                  # prefix-cache hits at the last admission
     block_table: list[int] = field(default_factory=list)
+    # Blocks of a second, per-compressed-entry pool (engine/core/window_blocks.py; DeepSeek-V4's bounded
+    # layout). Empty for every other model.
+    aux_block_table: list[int] = field(default_factory=list)
+    # Tokens whose compressed entries that pool already holds (kept through a preemption; 0 otherwise).
+    aux_valid_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
@@ -66,6 +71,9 @@ class Sequence:
     # Grammar matcher of a constrained request. Owned by the structured-output manager: created when the
     # request is added, advanced by the finish rules, dropped when the request finishes or is aborted.
     grammar: GrammarState | None = None
+    # MTP drafts for this sequence's next step (engine/spec_decode/proposer.py), guesses at the tokens after
+    # its last one. The scheduler consumes them (a verify step) or drops them; never part of token_ids.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

@@ -29,6 +29,11 @@ class PagedSelfAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, ops, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        # Per-kv-head scales of an FP8 KV cache (static 1.0; engine/models/quant/kv_fp8.py says why).
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -42,6 +47,10 @@ class PagedSelfAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
+        if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype="fp8"
+            self.ops.store_kv_fp8(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.ops.attention_fp8(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        else:
+            self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

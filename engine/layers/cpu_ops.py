@@ -35,6 +35,11 @@ class CpuInvariantOps(Ops):
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return chunked_paged_attention(q, k_cache, v_cache, meta, scale)
 
+    def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor) -> torch.Tensor:
+        return chunked_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
 
 class CpuFastOps(Ops):
     """Plain torch CPU ops (not batch-invariant): the simple, correct reference path."""

@@ -46,6 +46,66 @@ class _CudaOps(Ops):
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._attention.paged_attention(q, k_cache, v_cache, meta, scale)
 
+    def store_kv_fp8(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        from deepinfer.kernels.kv_fp8 import store_kv_fp8
+
+        store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor) -> torch.Tensor:
+        return self._attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+    def store_mla(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        from deepinfer.kernels.store_mla import store_mla
+
+        store_mla(latent, k_pe, cache, slot_mapping)
+
+    def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                      meta: AttentionMetadata, kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+        # Absorbed form for every row (kernels/mla_decode.py): W_UK into latent space, the Triton MLA kernel
+        # over the latent cache, W_UV out. Deterministic: the row-invariant per-head GEMM and the fixed
+        # split-KV policy, so prefill, decode and any batch give a token the same bits; fast: cuBLAS and a
+        # split chosen per step.
+        from deepinfer.kernels import mla_decode as mk
+        from deepinfer.kernels.reference.mla import split_kv_b
+
+        num_tokens, num_heads, nope = q_nope.shape
+        rope = q_pe.shape[2]
+        rank = cache.shape[2] - rope
+        w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope)          # [H, N, R], [H, V, R] views
+        q_abs = torch.empty((num_tokens, num_heads, rank + rope), dtype=cache.dtype, device=cache.device)
+        if self.deterministic:
+            mk.head_proj(q_nope, w_uk.transpose(1, 2), out=q_abs[:, :, :rank])
+            policy = mk.DETERMINISTIC_SPLITS
+        else:
+            q_abs[:, :, :rank] = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            policy = mk.fast_split_policy(meta, num_heads, cache.device)
+        q_abs[:, :, rank:] = q_pe
+        o_lat = mk.mla_decode(q_abs, cache, meta, scale, rank, policy=policy)
+        if self.deterministic:
+            return mk.head_proj(o_lat, w_uv)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        # kernels/fused_moe.py: expert-sorted grouped GEMMs, combined per token in slot order without
+        # atomics; fixed tiles when deterministic, small-batch tiles allowed in fast mode.
+        from deepinfer.kernels.fused_moe import fused_moe
+
+        return fused_moe(x.contiguous(), ids.contiguous(), weights.to(torch.float32).contiguous(),
+                         gate_up, down, invariant=self.deterministic)
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, group: int) -> torch.Tensor:
+        # FP8 GEMM (kernels/fp8_matmul.py): the batch-invariant tile config in deterministic mode.
+        from deepinfer.kernels.fp8_matmul import fp8_linear
+
+        return fp8_linear(x.contiguous(), weight, weight_scale, bias, group=group,
+                          invariant=self.deterministic)
+
 
 class CudaInvariantOps(_CudaOps):
     """Every op a batch-invariant Triton kernel (fixed tiling that never depends on the batch)."""

@@ -5,9 +5,9 @@ Expert weights are held fused, as transformers holds them in memory: `experts.ga
 per-expert checkpoint tensors or from fused ones. The routing math is kernels/reference/moe.py.
 
 Determinism: the router logits are a row-invariant float32 matmul, routing is row-local, each expert's
-tokens go through the row-invariant `Ops.linear` (a token's bits do not depend on which other tokens chose
-that expert) and a token's experts are summed in expert-id order, term by term: no atomics, no
-batch-dependent reduction.
+tokens go through row-invariant GEMMs (`Ops.linear` on CPU, the fused MoE kernels' fixed tiles on CUDA: a
+token's bits do not depend on which other tokens chose that expert) and a token's experts are summed in
+expert-id order, term by term: no atomics, no batch-dependent reduction.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.mlp import GatedMLP
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.models.deepseek_config import MoEConfig
-from deepinfer.kernels.reference.moe import combine_experts, experts_ref, route_noaux_tc, route_softmax
+from deepinfer.kernels.reference.moe import experts_ref, route_noaux_tc, route_softmax
 from torch import nn
 
 
@@ -73,6 +73,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, mlp_bias: bool, ops: Ops, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.gate = TopkRouter(cfg, hidden_size, ops, device)
         self.experts = FusedExperts(cfg, hidden_size, ops, dtype, device)
         if cfg.n_shared_experts:
@@ -83,7 +84,9 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = combine_experts(self.experts(x, ids), weights)
+        # Ops.routed_experts: the reference (experts_ref + combine_experts) on CPU, the fused Triton
+        # kernels (kernels/fused_moe.py) on CUDA.
+        out = self.ops.routed_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.attention import paged_attention_ref
+from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref
+from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
@@ -22,6 +25,13 @@ class Ops:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
         raise NotImplementedError
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, group: int) -> torch.Tensor:
+        """x [M, K] @ dequant(e4m3 weight [N, K], row scales [N, K/group])^T (+ bias), x quantized per
+        token-group of `group`. Shared version: the plain-torch reference (row-local, so batch-invariant);
+        CUDA backends run the Triton FP8 GEMM."""
+        return fp8_linear_ref(x, weight, weight_scale, bias, group)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Row-wise RMSNorm over the last dim of x [M, H]: float32 statistics as in transformers."""
@@ -41,6 +51,17 @@ class Ops:
                  slot_mapping: torch.Tensor) -> None:
         """Write k, v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at flat slots [T]."""
         store_kv_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+
+    def store_kv_fp8(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """`store_kv` into e4m3 caches, each kv head divided by its float32 scale [Hkv] first."""
+        store_kv_fp8_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor) -> torch.Tensor:
+        """`attention` over e4m3 caches with per-kv-head scales. Shared version: the plain reference."""
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -82,6 +103,19 @@ class Ops:
             return torch.stack([self.linear(o_lat[:, h].contiguous(), w_uv[h].contiguous())
                                 for h in range(num_heads)], dim=1)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Routed MoE: x [T, H], ids/weights [T, K] (slots sorted by expert id), gate_up [E, 2I, H],
+        down [E, H, I] -> sum_k weights[:, k] * expert_ids[:, k](x), [T, H] in x's dtype.
+
+        Shared version: each expert's rows through `self.linear` / `self.silu_and_mul` (row-invariant in
+        deterministic backends), slots summed term by term in slot order (kernels/reference/moe.py).
+        """
+        from deepinfer.kernels.reference.moe import combine_experts, experts_ref
+
+        out = experts_ref(x, ids, gate_up, down, linear=self.linear, act=self.silu_and_mul)
+        return combine_experts(out, weights)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(deterministic={self.deterministic})"

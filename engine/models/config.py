@@ -118,6 +118,10 @@ class ModelConfig:
             from deepinfer.engine.models.deepseek_config import DeepseekConfig
 
             return DeepseekConfig.from_dict(raw, gen, source)
+        if archs[0] == "DeepseekV4ForCausalLM":
+            from deepinfer.engine.models.deepseek_v4_config import DeepseekV4Config
+
+            return DeepseekV4Config.from_dict(raw, gen, source)
         model_type = str(raw.get("model_type", ""))
         hidden = fields.int("hidden_size")
         heads = fields.int("num_attention_heads")

@@ -170,7 +170,7 @@ class DeepseekConfig(ModelConfig):
     mla: MLAConfig
     moe: MoEConfig
     yarn: YarnScaling | None = None
-    num_mtp_layers: int = 0        # MTP layers stored after the decoder layers (loaded and ignored)
+    num_mtp_layers: int = 0        # MTP layers stored after the decoder layers (1st: the MTP draft)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,8 +5,10 @@ Accepted layouts, in any mix and over any number of safetensors shards:
   what transformers 5.x save_pretrained writes), or fused `mlp.experts.gate_up_proj` [E, 2I, H] /
   `mlp.experts.down_proj` [E, H, I] (transformers' in-memory layout, e.g. a saved state_dict);
 - `gate_proj` / `up_proj` of the dense MLPs and shared experts, merged here into `gate_up_proj`.
-MTP layers (`model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers) are skipped: multi-token
-prediction is not used yet. Block-FP8 checkpoints (`*.weight_scale_inv`) are refused with what to do.
+MTP layers (`model.layers.{num_hidden_layers + i}.*`, i < num_nextn_predict_layers) are skipped here; with MTP
+speculative decoding on, engine/spec_decode/setup.py keeps them from the same stream for the draft model.
+FP8 checkpoints reach this loader through models/quant/fp8_loading.py, which
+turns their scales into dequantized weights or `fp8_scale` rows (merged here like the weights).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from torch import nn
 
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_MERGED = re.compile(r"^(model\.layers\.\d+\.mlp\.(?:shared_experts\.)?)(gate|up)_proj\.(weight|bias)$")
+_MERGED = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.(?:shared_experts\.)?)(gate|up)_proj\.(weight|bias|fp8_scale)$")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(?:\.weight)?$")
 
@@ -33,7 +36,7 @@ def _shards_of(pname: str, param: torch.Tensor) -> set[Shard]:
         return {(e, s) for e in range(param.shape[0]) for s in ("gate", "up")}
     if pname.endswith(".experts.down_proj"):
         return {(e, "down") for e in range(param.shape[0])}
-    if pname.endswith((".gate_up_proj.weight", ".gate_up_proj.bias")):
+    if pname.endswith((".gate_up_proj.weight", ".gate_up_proj.bias", ".gate_up_proj.fp8_scale")):
         return {"gate", "up"}
     return {None}
 
@@ -84,9 +87,10 @@ def load_deepseek_weights(model: nn.Module, weights: Iterable[tuple[str, torch.T
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) in mtp_layers:
             continue  # an MTP module: loaded later by speculative decoding, not by this model
-        if name.endswith("weight_scale_inv"):
-            raise ValueError(f"checkpoint tensor {name!r}: block-FP8 checkpoints are not supported; convert "
-                             "the weights to bfloat16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
+        if name.endswith(("weight_scale_inv", "weight_scale")):
+            # FP8 scales are consumed by models/quant/fp8_loading.py before they get here (LLM does that).
+            raise ValueError(f"checkpoint tensor {name!r}: a block-FP8 scale reached the plain loader; load "
+                             "FP8 checkpoints through LLM (quantization='auto' or None) or fp8_weight_stream")
         target = _target(name, params)
         if target is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {arch} (does "

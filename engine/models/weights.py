@@ -9,10 +9,12 @@ import torch
 from deepinfer.engine.layers.norm import RMSNorm
 from torch import nn
 
-# HF name pattern -> (our merged parameter, the shard order inside it)
+# HF name pattern -> (our merged parameter, the shard order inside it). `fp8_scale` rows (FP8 layers, see
+# models/quant/fp8_loading.py) merge exactly like the weight rows they scale.
 _MERGED = (
-    (re.compile(r"^(model\.layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)$"), "qkv_proj", "qkv"),
-    (re.compile(r"^(model\.layers\.\d+\.mlp\.)(gate|up)_proj\.(weight|bias)$"), "gate_up_proj",
+    (re.compile(r"^(model\.layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias|fp8_scale)$"), "qkv_proj",
+     "qkv"),
+    (re.compile(r"^(model\.layers\.\d+\.mlp\.)(gate|up)_proj\.(weight|bias|fp8_scale)$"), "gate_up_proj",
      ("gate", "up")),
 )
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")

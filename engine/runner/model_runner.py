@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from deepinfer.engine.core.window_blocks import with_aux_tables
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -59,14 +60,16 @@ class ModelRunner:
             p = np.arange(s.start, end, dtype=np.int64)
             table = np.asarray(s.seq.block_table, dtype=np.int64)
             tables[b, : len(table)] = table
-            ids.append(np.asarray(s.seq.tokens_range(s.start, end), dtype=np.int64))
+            # An MTP verify step's draft tokens follow the sequence's own (engine/spec_decode/).
+            k = len(s.draft_token_ids)
+            ids.append(np.asarray(s.seq.tokens_range(s.start, end - k) + s.draft_token_ids, dtype=np.int64))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             offset += s.num_new_tokens
             if s.sample:
-                sample_rows.append(offset - 1)
+                sample_rows.extend(range(offset - 1 - k, offset))   # a verify step samples every position
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         dev = self.device
@@ -88,6 +91,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
+        # A bounded-window cache's second pool (core/window_blocks.py): its tables travel with the metadata.
+        meta = with_aux_tables(meta, [s.seq for s in out.scheduled], to_dev)
         return PreparedBatch(
             input_ids=to_dev(np.concatenate(ids)),
             positions=positions,

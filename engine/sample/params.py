@@ -17,13 +17,20 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None                    # True: any JSON object
+    # deepinfer's option, with `json` only: 'validate' constrains by the schema's enforceable part and
+    # validates every completion against the whole schema (SamplingParams.json_schema_mode).
+    json_schema_mode: str = "strict"
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in fields(self)
+                 if f.name != "json_schema_mode" and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
                 f"StructuredOutputsParams: set exactly one of json, regex, choice, json_object (got {given})"
             )
+        if self.json_schema_mode != "strict" and self.json is None:
+            raise ValueError(f"StructuredOutputsParams.json_schema_mode={self.json_schema_mode!r} applies to "
+                             "a JSON Schema only; set json=... or leave json_schema_mode 'strict'")
 
     def as_constraint(self) -> tuple[str, Any]:
         """(SamplingParams field name, value) this constraint stands for."""
@@ -49,6 +56,13 @@ class SamplingParams:
     `seed` makes sampling reproducible: the random draw for output position t depends only on
     (seed, t), never on other requests or on step order. A request without a seed gets one derived
     from the engine seed and its own content (prompt + params), never from arrival order.
+
+    `json_schema_mode` decides what happens to a `json_schema` the grammar backend cannot fully enforce
+    (e.g. `not`, `contains`, `if`/`then`): 'strict' (default) refuses the request with the backend's
+    reason; 'validate' builds the grammar from the schema's enforceable part (the refused keywords
+    removed, so nothing the schema accepts is excluded) and validates each finished completion against
+    the whole schema with jsonschema, reporting the verdict as CompletionOutput.schema_valid and
+    .schema_error (the text is returned either way; the caller decides what to do with an invalid one).
     """
 
     temperature: float = 1.0
@@ -74,6 +88,7 @@ class SamplingParams:
     n: int = 1                          # completions per prompt (LLM.generate documents their seeds)
     prompt_logprobs: int | None = None  # top-k logprobs at each prompt position (the first gets None)
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    json_schema_mode: str = "strict"    # 'strict' | 'validate' (see the class docstring)
 
     def __post_init__(self) -> None:
         def bad(name: str, value: Any, expected: str) -> ValueError:
@@ -127,6 +142,11 @@ class SamplingParams:
             )
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
             raise bad("json_schema", type(self.json_schema).__name__, "must be a dict (a JSON Schema)")
+        if self.json_schema_mode not in ("strict", "validate"):
+            raise bad("json_schema_mode", self.json_schema_mode, "must be 'strict' or 'validate'")
+        if self.json_schema_mode == "validate" and self.json_schema is None:
+            raise bad("json_schema_mode", self.json_schema_mode, "applies to a json_schema constraint only; "
+                      "set json_schema (or structured_outputs json) or leave it 'strict'")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise bad("regex", self.regex, "must be a non-empty string")
         if self.choice is not None and (
@@ -156,6 +176,8 @@ class SamplingParams:
         if others:
             raise ValueError(f"SamplingParams: structured_outputs and {others} both set; give one constraint")
         object.__setattr__(self, name, value)
+        if so.json_schema_mode != "strict":
+            object.__setattr__(self, "json_schema_mode", so.json_schema_mode)
 
     @property
     def greedy(self) -> bool:

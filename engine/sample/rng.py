@@ -160,6 +160,10 @@ _NON_DISTRIBUTION_FIELDS = frozenset(
     {"seed", "max_tokens", "stop", "include_stop_str_in_output", "skip_special_tokens", "logprobs",
      "prompt_logprobs", "n", "structured_outputs"}
 )
+# Distribution fields added after seeds were published: left out at their default, so that requests
+# that do not use them keep their seeds (json_schema_mode 'validate' builds another grammar).
+_DEFAULT_OMITTED = {"json_schema_mode": "strict"}
+_NO_DEFAULT = object()
 _FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 )
@@ -172,6 +176,8 @@ def params_fingerprint(params: SamplingParams) -> str:
         if name in _NON_DISTRIBUTION_FIELDS:
             continue
         value = getattr(params, name)
+        if _DEFAULT_OMITTED.get(name, _NO_DEFAULT) == value:
+            continue
         if name in _FLOAT_FIELDS:
             value = float(value)        # temperature=1 and temperature=1.0 are the same request
             if not math.isfinite(value):

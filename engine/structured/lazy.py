@@ -5,10 +5,14 @@ Building the manager imports llguidance and compiles the tokenizer vocabulary fo
 vocabulary), so an engine that only ever serves unconstrained requests must never build one. The engine
 components (engine core, model runner, finish rules) all hold this one handle from their constructors; its
 calls are no-ops (or None) until a constrained request has made the manager exist.
+
+`DEEPINFER_MASK_PREFETCH=0` turns off filling a request's next mask as soon as its grammar advances (masks
+are then filled when the step samples; outputs are the same): for measuring what the prefetch hides.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +47,9 @@ class LazyStructuredOutputs:
             from deepinfer.engine.structured.manager import StructuredOutputManager
 
             self._manager = StructuredOutputManager(
-                self._tokenizer_json, self._vocab_size, self._eos_token_ids, max_model_len=self._max_model_len
+                self._tokenizer_json, self._vocab_size, self._eos_token_ids,
+                max_model_len=self._max_model_len,
+                prefetch=os.environ.get("DEEPINFER_MASK_PREFETCH", "1") != "0",
             )
         return self._manager
 

@@ -5,13 +5,15 @@ on the first constrained request):
   1. `validate(params)` when the request is made: compiles the constraint (cached by a canonical hash of
      kind + spec, shared by all requests) and raises ValueError naming the problem before any generation.
   2. `add(seq)` when it enters the engine: sets `seq.grammar` to a fresh `GrammarState`.
-  3. Each step, `masks_for(seqs)` fills the bitmask rows of the constrained sequences on a worker thread
-     (llguidance releases the GIL and spreads rows over its own threads) while the model runs; the returned
-     `StepMasks.apply(logits)` waits for it and applies the masks (-inf) to exactly those rows.
-  4. After sampling, `advance(seq, token)` moves the matcher on and says whether the grammar is complete;
+  3. After sampling, `advance(seq, token)` moves the matcher on and says whether the grammar is complete;
      the finish rules (core/finish.py) then finish the request with "stop". EOS is allowed by the mask
-     only where the grammar can end.
-  5. `free(seq)` when the request finishes or is aborted.
+     only where the grammar can end. A request that goes on has the fill of its next mask queued at once
+     into its own slot row (mask_slots.py), on a worker thread (llguidance releases the GIL and spreads
+     rows over its own threads): in the overlapped loop this is while the next step's forward runs.
+  4. Each step, `masks_for(seqs)` collects the constrained rows (queueing a fill for any not yet queued,
+     e.g. a request's first token); the returned `StepMasks.apply(logits)` waits only for the rows still
+     being filled, applies budget steering, and masks (-inf) exactly those logits rows from their slots.
+  5. `free(seq)` when the request finishes or is aborted (its slot is reused once its fill is done).
 `new_matcher`, `accept`, `is_terminated` and `fill_bitmask(_async)` are the same steps on a bare
 `GrammarState`, for callers without engine sequences (tests, random walks, benchmarks).
 
@@ -21,7 +23,7 @@ grammar after the request's output tokens". Masks depend only on a row's own sta
 (see steering.py), so masking is per row and keeps sampling batch-invariant.
 
 A matcher must not be advanced while a fill that includes it is in flight (the engine applies the masks
-and samples before it accepts tokens).
+and samples before it accepts tokens; `accept` waits for such a fill rather than race it).
 
 A request that ends any other way than through its grammar is not a valid output: one that reaches
 max_tokens first finishes with "length"; one whose matcher went into error (a token the mask forbade was
@@ -33,6 +35,7 @@ sampled — a sampler bug — or a grammar-library limit was hit; llguidance the
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +50,7 @@ from deepinfer.engine.structured.llguidance_backend import (
     LLGuidanceGrammar,
     LLGuidanceMatcher,
 )
+from deepinfer.engine.structured.mask_slots import MaskSlots
 from deepinfer.engine.structured.steering import (
     MIN_STEER_TOKENS,
     BudgetSteering,
@@ -63,9 +67,13 @@ MaskRow = tuple[int, "GrammarState", "int | None"]
 
 
 class GrammarState:
-    """One request's structured-output state: its matcher and the budget level where steering starts."""
+    """One request's structured-output state: its matcher and the budget level where steering starts.
 
-    __slots__ = ("matcher", "spec", "steer_below", "lex")
+    slot: its row in the manager's slot buffer (-1: none yet); fill: the fill of that row from the
+    matcher's current state (None: not queued since the last token); steered: the row was narrowed by
+    budget steering after that fill (a second masking of the same state refills it first)."""
+
+    __slots__ = ("matcher", "spec", "steer_below", "lex", "slot", "fill", "steered")
 
     def __init__(self, matcher: LLGuidanceMatcher, spec: GrammarSpec, steer_below: int) -> None:
         self.matcher = matcher
@@ -73,6 +81,9 @@ class GrammarState:
         self.steer_below = steer_below
         # JSON outputs: whether the text so far ends inside a string (steering needs it).
         self.lex = JsonLexState() if spec.kind == "json_schema" else None
+        self.slot = -1
+        self.fill: Future | None = None
+        self.steered = False
 
 
 def _tokenizer_json(tokenizer: Any) -> str:
@@ -98,6 +109,11 @@ def _tokenizer_json(tokenizer: Any) -> str:
 def spec_of(params: SamplingParams) -> GrammarSpec | None:
     """The request's constraint in canonical form, or None when it is unconstrained."""
     if params.json_schema is not None:
+        if params.json_schema_mode == "validate":  # the grammar enforces what it can; the rest is checked
+            from deepinfer.engine.structured.enforceable import check_validator, grammar_schema
+
+            check_validator(params.json_schema)
+            return GrammarSpec.of("json_schema", grammar_schema(params.json_schema))
         return GrammarSpec.of("json_schema", params.json_schema)
     if params.regex is not None:
         return GrammarSpec.of("regex", params.regex)
@@ -107,24 +123,62 @@ def spec_of(params: SamplingParams) -> GrammarSpec | None:
 
 
 class StepMasks:
-    """The masks of one step, being filled on the worker thread."""
+    """The masks of one step: rows of the logits and the slots their masks are (being) filled in."""
 
-    def __init__(self, future: Future, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self._future = future
-        self.bitmask = bitmask
-        self.rows = rows
+    def __init__(self, manager: StructuredOutputManager, rows: list[MaskRow]) -> None:
+        self._manager = manager
+        self._rows = rows
+        self.rows = [r for r, _, _ in rows]
+        self._ready = False
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """int32 [len(rows), words]: the step's masks in row order (a copy; for inspection and tests)."""
+        self.wait()
+        return self._manager.slots.buffer[[st.slot for _, st, _ in self._rows]].clone()
 
     def wait(self) -> None:
-        self._future.result()
+        """Wait for the rows still being filled, then narrow the rows short of budget (steering)."""
+        if self._ready:
+            return
+        m = self._manager
+        t0 = time.perf_counter()
+        for _, st, _ in self._rows:
+            if st.fill is not None:
+                st.fill.result()
+        m.wait_seconds += time.perf_counter() - t0
+        m.mask_steps += 1
+        m.mask_rows += len(self._rows)
+        if m.steering is not None:
+            view = m.slots.buffer.numpy()
+            for _, st, remaining in self._rows:
+                if remaining is None or remaining > st.steer_below or st.matcher.is_terminated():
+                    continue
+                if st.steered:  # narrowed before from this same state: start again from its grammar mask
+                    st.matcher.fill_bitmask(m.slots.buffer[st.slot])
+                st.steered = True
+                if st.lex is not None:
+                    m.steering.steer_json_(view[st.slot], st.lex)
+                else:
+                    m.steering.steer_lookahead_(view[st.slot], st.matcher)
+        self._ready = True
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Wait for the fill, then set disallowed logits of the constrained rows to -inf (in place)."""
+        """Wait for the fills, then set disallowed logits of the constrained rows to -inf (in place)."""
         self.wait()
-        bitmask = self.bitmask
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        rows = torch.tensor(self.rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        apply_token_bitmask_(logits, bitmask, rows)
+        slots = self._manager.slots
+        index = torch.tensor([self.rows, [st.slot for _, st, _ in self._rows]], dtype=torch.int64)
+        if logits.device.type == "cpu":
+            apply_token_bitmask_(logits, slots.buffer, index[0], index[1])
+            return
+        # Only the slot rows up to the highest one used travel; pinned, so the copies are asynchronous.
+        hi = int(index[1].max()) + 1
+        bitmask = slots.buffer[:hi].to(logits.device, non_blocking=True)
+        index = index.pin_memory().to(logits.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        slots.copied(done)
+        apply_token_bitmask_(logits, bitmask, index[0], index[1])
 
 
 class StructuredOutputManager:
@@ -135,11 +189,13 @@ class StructuredOutputManager:
     eos_token_ids: the ids that end a sequence; the mask allows them exactly where the grammar can end.
     max_threads: threads that fill masks in parallel. steering: budget steering on (see steering.py).
     max_model_len: when given, the remaining budget also counts the model-length limit.
+    prefetch: queue a request's next mask as soon as its grammar advances (off: only when the step samples;
+    same masks, for measuring what the prefetch hides).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  max_threads: int | None = None, *, steering: bool = True, cache_size: int = 1024,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, prefetch: bool = True) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
         if max_threads is not None and max_threads < 1:
@@ -149,6 +205,7 @@ class StructuredOutputManager:
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.prefetch = prefetch
         self.backend = LLGuidanceBackend(_tokenizer_json(tokenizer), vocab_size, self.eos_token_ids,
                                          max_threads)
         self._token_bytes = self.backend.token_bytes()
@@ -158,11 +215,11 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-grammar")
-        # Step bitmasks are reused (two, alternating): allocating pinned memory every step costs more
-        # than filling it. Two, because a step's host->device copy may still be in flight while the
-        # next step's fill starts.
-        self._step_buffers: list[torch.Tensor] = []
-        self._step_turn = 0
+        # Engine requests' masks live in per-request slots, filled ahead of the step (mask_slots.py).
+        self.slots = MaskSlots(self.backend)
+        self.wait_seconds = 0.0    # time sampling waited for fills (the part of filling not overlapped)
+        self.mask_steps = 0
+        self.mask_rows = 0
 
     @property
     def bitmask_words(self) -> int:
@@ -239,29 +296,34 @@ class StructuredOutputManager:
         return min(budgets) if budgets else None
 
     def masks_for(self, seqs: Sequence[EngineSequence]) -> StepMasks | None:
-        """Start filling masks for the sequences sampling this step (logits row i = seqs[i]).
-
-        Returns None when none of them is constrained.
-        """
+        """The masks of the sequences sampling this step (logits row i = seqs[i]); fills not queued yet
+        (a request's first token) are queued now. Returns None when none of them is constrained."""
         rows: list[MaskRow] = []
         for i, seq in enumerate(seqs):
-            if seq.grammar is not None:
-                rows.append((i, seq.grammar, self.remaining_budget(seq)))
-        if not rows:
-            return None
-        bitmask = self._step_bitmask(len(seqs))
-        return StepMasks(self.fill_bitmask_async(rows, bitmask), bitmask, [r for r, _, _ in rows])
+            st = seq.grammar
+            if st is None:
+                continue
+            if st.slot < 0:
+                st.slot = self.slots.acquire()
+            if st.fill is None:
+                st.fill = self.slots.submit(st.slot, st.matcher)
+                st.steered = False
+            rows.append((i, st, self.remaining_budget(seq)))
+        return StepMasks(self, rows) if rows else None
 
-    def _step_bitmask(self, num_rows: int) -> torch.Tensor:
-        """A reusable [num_rows, words] bitmask; only the rows the fill writes are ever read."""
-        self._step_turn ^= 1
-        if len(self._step_buffers) < 2 or self._step_buffers[self._step_turn].shape[0] < num_rows:
-            size = max(num_rows, 64)
-            self._step_buffers = [self.allocate_bitmask(size), self.allocate_bitmask(size)]
-        return self._step_buffers[self._step_turn][:num_rows]
+    def mask_stats(self) -> dict[str, float | int]:
+        """Cumulative mask counters: fill time on the worker, the part of it sampling waited for."""
+        fill = self.slots.fill_seconds
+        return {"mask_steps": self.mask_steps, "mask_rows": self.mask_rows,
+                "fill_seconds": fill, "fill_batches": self.slots.fill_batches,
+                "wait_seconds": self.wait_seconds,
+                "overlapped_fraction": max(0.0, 1.0 - self.wait_seconds / fill) if fill > 0 else 0.0}
 
     def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance on the sampled token; False if the grammar rejects it (the matcher is then in error)."""
+        if state.fill is not None:
+            state.fill.exception()  # never advance a matcher under a fill in flight
+            state.fill = None
         ok = state.matcher.accept_token(token_id)
         if ok and state.lex is not None and 0 <= token_id < len(self._token_bytes):
             state.lex.feed(self._token_bytes[token_id] or b"")
@@ -281,6 +343,7 @@ class StructuredOutputManager:
         """Give a constrained request its grammar state (unconstrained requests are left alone)."""
         if seq.params.constrained:
             seq.grammar = self.new_matcher(seq.params)
+            seq.grammar.slot = self.slots.acquire()
 
     def advance(self, seq: EngineSequence, token_id: int) -> bool:
         """Advance `seq`'s grammar on its newly sampled token; True when the grammar is now complete.
@@ -291,12 +354,24 @@ class StructuredOutputManager:
         if state is None:
             return False
         self.accept(state, token_id)
-        return self.is_terminated(state)
+        done = self.is_terminated(state)
+        remaining = self.remaining_budget(seq)
+        if self.prefetch and not done and state.slot >= 0 and (remaining is None or remaining > 0):
+            # The request samples again: fill its next mask now, while the engine goes on (the overlapped
+            # loop is applying this step's tokens with the next forward already on the device).
+            state.fill = self.slots.submit(state.slot, state.matcher)
+            state.steered = False
+        return done
 
     def free(self, seq: EngineSequence) -> None:
         """Drop `seq`'s grammar state (finished or aborted); no-op for unconstrained requests."""
+        state = seq.grammar
+        if state is not None:
+            self.slots.release(state.slot, state.fill)
+            state.slot, state.fill = -1, None
         seq.grammar = None
 
     def close(self) -> None:
-        """Stop the mask-filling worker thread (waits for a fill in flight)."""
+        """Stop the mask-filling worker threads (waits for a fill in flight)."""
         self._pool.shutdown(wait=True)
+        self.slots.close()

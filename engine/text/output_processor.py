@@ -49,6 +49,11 @@ class OutputProcessor:
             finish_reason=seq.finish_reason or "length", logprobs=logprobs, seed=seq.seed,
             cumulative_logprob=cumulative,
         )
+        if seq.params.json_schema_mode == "validate":
+            from deepinfer.engine.structured.enforceable import validate_completion
+
+            verdict = validate_completion(text, seq.params.json_schema)
+            completion.schema_valid, completion.schema_error = verdict
         prompt_logprobs = None
         if seq.prompt_logprobs is not None:
             prompt_logprobs = [None if d is None else self._position(d) for d in seq.prompt_logprobs]

@@ -63,7 +63,8 @@ def _pieces(positions: list[int], budget_pairs: int) -> list[tuple[int, int, int
 
 
 def chunked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant causal attention over the paged cache, float32 inside.
 
     For each query token: scores over its keys (one fixed-length dot product per key), the exact maximum
@@ -77,6 +78,9 @@ def chunked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Every step is a whole-batch tensor op (no Python loop over keys or chunks): a few dozen ops per call
     instead of ~50 per 16-key chunk. The batch is cut into pieces of contiguous tokens only to bound the
     temporaries; tokens are independent, so the cut changes nothing.
+
+    An FP8 (e4m3) cache comes with per-kv-head float32 `k_scale` / `v_scale` [Hkv]: gathered entries are
+    multiplied back elementwise (kernels/reference/kv_fp8.py), which keeps every property above.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -95,13 +99,14 @@ def chunked_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     outs = []
     for a, b, chunks in _pieces(pos.tolist(), budget):
         outs.append(_attend_piece(qf[a:b], pos[a:b], tables[a:b], k_flat, v_flat, block_size,
-                                  chunks, scale))
+                                  chunks, scale, k_scale, v_scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(num_tokens, num_q_heads, head_dim).to(q.dtype)
 
 
 def _attend_piece(qf: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, k_flat: torch.Tensor,
-                  v_flat: torch.Tensor, block_size: int, chunks: int, scale: float) -> torch.Tensor:
+                  v_flat: torch.Tensor, block_size: int, chunks: int, scale: float,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """chunked_paged_attention for n tokens whose keys all lie in the first `chunks` chunks."""
     n, num_kv_heads, group, head_dim = qf.shape
     span = chunks * KV_CHUNK
@@ -111,6 +116,9 @@ def _attend_piece(qf: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, k_f
     # index_select on whole rows: the same values as advanced indexing, several times faster on CPU.
     k = k_flat.index_select(0, slots).view(n, span, num_kv_heads, head_dim).to(torch.float32)
     v = v_flat.index_select(0, slots).view(n, span, num_kv_heads, head_dim).to(torch.float32)
+    if k_scale is not None:  # FP8 cache: back to real values, per kv head
+        k = k * k_scale.to(torch.float32).view(1, 1, num_kv_heads, 1)
+        v = v * v_scale.to(torch.float32).view(1, 1, num_kv_heads, 1)
     scores = (qf.unsqueeze(1) * k.unsqueeze(3)).sum(-1) * scale                      # [n, span, Hkv, G]
     masked = (key_pos[None, :] > pos[:, None])[:, :, None, None]                     # [n, span, 1, 1]
     scores = scores.masked_fill(masked, float("-inf"))
@@ -133,12 +141,15 @@ def _attend_piece(qf: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, k_f
     return acc / denom.unsqueeze(-1)
 
 
-def check_attention_args(q, k_cache, v_cache, meta) -> None:
+def check_attention_args(q, k_cache, v_cache, meta, kv_fp8: bool = False) -> None:
+    """Shapes, dtypes and devices of an attention call; `kv_fp8`: the caches are e4m3 (with scales)."""
     check_tensor("q", q, ndim=3)
-    check_tensor("k_cache", k_cache, ndim=4, device=q.device)
-    check_tensor("v_cache", v_cache, ndim=4, device=q.device)
-    check_same_dtype("k_cache", k_cache, q.dtype)
-    check_same_dtype("v_cache", v_cache, q.dtype)
+    kv_dtypes = (torch.float8_e4m3fn,) if kv_fp8 else (q.dtype,)
+    check_tensor("k_cache", k_cache, ndim=4, device=q.device, dtypes=kv_dtypes)
+    check_tensor("v_cache", v_cache, ndim=4, device=q.device, dtypes=kv_dtypes)
+    if not kv_fp8:
+        check_same_dtype("k_cache", k_cache, q.dtype)
+        check_same_dtype("v_cache", v_cache, q.dtype)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -171,10 +182,13 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference: per sequence, gather its context through the block table and run causal
-    softmax attention in fp32 (query at position p sees positions <= p)."""
-    check_attention_args(q, k_cache, v_cache, meta)
+    softmax attention in fp32 (query at position p sees positions <= p). An e4m3 cache takes per-kv-head
+    `k_scale` / `v_scale` [Hkv] (entries are multiplied back after the gather)."""
+    check_attention_args(q, k_cache, v_cache, meta, kv_fp8=k_scale is not None)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -187,8 +201,11 @@ def paged_attention_ref(
             continue
         kv_pos = torch.arange(ctx, device=q.device)
         blocks = meta.block_tables[b, kv_pos // block_size].long()
-        k = k_cache[blocks, kv_pos % block_size].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_cache[blocks, kv_pos % block_size].float().repeat_interleave(group, dim=1)
+        k = k_cache[blocks, kv_pos % block_size].float()                               # [ctx, Hkv, D]
+        v = v_cache[blocks, kv_pos % block_size].float()
+        if k_scale is not None:
+            k, v = k * k_scale.float().view(1, -1, 1), v * v_scale.float().view(1, -1, 1)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [ctx, Hq, D]
         qb = q[lo:hi].float()                                                          # [n, Hq, D]
         scores = torch.einsum("nhd,chd->hnc", qb, k) * scale
         allowed = kv_pos[None, :] <= meta.positions[lo:hi, None]                        # [n, ctx]

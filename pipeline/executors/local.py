@@ -13,13 +13,16 @@ from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 from deepinfer.pipeline.parts import PartTask
+from deepinfer.pipeline.stages.generate import EngineCache
 from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
 
-def run_local(plan: StagePlan, parts: Sequence[PartTask]) -> Iterator[pa.Table]:
-    """Yield one ENGINE_SCHEMA table per part of `parts`, in order."""
+def run_local(plan: StagePlan, parts: Sequence[PartTask], engines: EngineCache | None = None
+              ) -> Iterator[pa.Table]:
+    """Yield one ENGINE_SCHEMA table per part of `parts`, in order; the LLM comes from `engines` when
+    given (a sweep's points share it), else it is built for this run."""
     if not parts:
         return
-    engine = plan.engine_stage()
+    engine = plan.engine_stage(engines)
     for task in parts:
         yield engine.generate_part(prepare_part(plan, task), plan.batch_size)

@@ -8,6 +8,14 @@ blocks with iter_batches as engines finish them and commits each part at once. E
 most runtime.max_batches_in_flight parts queued, so a kill loses at most engines x that many parts, and
 the driver never holds more than the few result blocks it is committing. The actor pool starts its
 actors (and they build their models) while the first parts are read and tokenized.
+
+On a cluster of several nodes (`--address` / $RAY_ADDRESS) the engine actors are spread over the nodes
+that have the resources (SPREAD; one per GPU, or one CPU engine per node when runtime.engines is null),
+workers read their parts from the input's storage, and the driver commits each part. Nothing may assume
+the driver's disk is visible to workers, so local input/output paths are refused there (exit 2) unless
+runtime.shared_filesystem says they are shared (`check_cluster_storage`). A lost worker node costs its
+parts in flight: Ray Data retries the tasks and restarts the engine actors elsewhere (max_restarts=-1);
+if the run fails instead, it exits 75 and the rerun recomputes only uncommitted parts.
 """
 
 from __future__ import annotations
@@ -31,11 +39,23 @@ _LIGHT_CPUS = 0.25
 
 @dataclass
 class RaySession:
-    """A Ray connection for one run; `owned` when this process started the local Ray (and stops it)."""
+    """A Ray connection for one run; `owned` when this process started the local Ray (and stops it).
+
+    `node_cpus`: the CPUs of each alive node that has CPUs or GPUs (a head node started with
+    num_cpus=0 to hold only the driver is not counted); `client`: attached through Ray Client
+    (ray://), so the driver is not on any node of the cluster.
+    """
 
     owned: bool
     num_gpus: int
     num_cpus: float
+    node_cpus: tuple[float, ...] = (1.0,)
+    client: bool = False
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether workers may run where the driver's local disk is not (several nodes, or Ray Client)."""
+        return self.client or len(self.node_cpus) > 1
 
     def close(self) -> None:
         if self.owned:
@@ -62,7 +82,57 @@ def connect(address: str | None, verbose: bool) -> RaySession:
         owned = address is None
     configure_data_context(verbose)
     resources = ray.cluster_resources()
-    return RaySession(owned, int(resources.get("GPU", 0)), float(resources.get("CPU", 1)))
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    node_cpus = tuple(float(r.get("CPU", 0)) for r in nodes if r.get("CPU", 0) > 0 or r.get("GPU", 0) > 0)
+    client = str(address or os.environ.get("RAY_ADDRESS") or "").startswith("ray://")
+    return RaySession(owned, int(resources.get("GPU", 0)), float(resources.get("CPU", 1)),
+                      node_cpus or (float(resources.get("CPU", 1)),), client)
+
+
+def attaches_to_cluster(address: str | None) -> bool:
+    """Whether a Ray run would attach to an existing cluster (else it starts a local, one-node Ray)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return True
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def is_local_path(path: str) -> bool:
+    """A path on the driver's own filesystem (no URL scheme, or file://)."""
+    return "://" not in path or path.lower().startswith(("file://", "local://"))
+
+
+def storage_problems(input_path: str, output_path: str, shared_filesystem: bool,
+                     session: RaySession) -> list[str]:
+    """Why this job cannot run on `session`'s cluster as it is (empty when it can): on several nodes,
+    local input and output paths must be declared shared (runtime.shared_filesystem)."""
+    if not session.multi_node or shared_filesystem:
+        return []
+    where = ("the driver attaches through Ray Client (ray://) and is on none of the cluster's nodes"
+             if session.client else f"the Ray cluster has {len(session.node_cpus)} nodes")
+    problems = []
+    for field, path in (("input.path", input_path), ("output.path", output_path)):
+        if is_local_path(path):
+            problems.append(
+                f"{field}: {path} is a local path, but {where}: workers read input and resumed runs may "
+                "commit from another node, so nothing may assume the driver's disk is visible to them. "
+                "Use s3://bucket/prefix, or set runtime.shared_filesystem: true if this path is on "
+                "storage every node mounts at the same path")
+    return problems
+
+
+def check_cluster_storage(input_path: str, output_path: str, shared_filesystem: bool,
+                          address: str | None, verbose: bool) -> None:
+    """Before anything is written: refuse (SpecError, exit 2) local paths on a multi-node cluster.
+
+    Connects only when the run attaches to an existing cluster; a local Ray started by this run is
+    one node, the driver's own.
+    """
+    if not attaches_to_cluster(address):
+        return
+    problems = storage_problems(input_path, output_path, shared_filesystem, connect(address, verbose))
+    if problems:
+        raise SpecError(problems)
 
 
 @contextlib.contextmanager
@@ -110,11 +180,11 @@ def uses_gpus(plan: StagePlan, session: RaySession) -> bool:
     return session.num_gpus > 0 and device != "cpu"
 
 
-def engine_count(requested: int | None, session: RaySession, use_gpu: bool) -> int:
-    """runtime.engines, else one engine per GPU, else a single CPU engine."""
+def engine_count(requested: int | None, session: RaySession, use_gpu: bool, gpus_per_engine: int = 1) -> int:
+    """runtime.engines, else one engine per `gpus_per_engine` GPUs, else one CPU engine per node."""
     if requested is not None:
         return requested
-    return max(1, session.num_gpus) if use_gpu else 1
+    return max(1, session.num_gpus // gpus_per_engine) if use_gpu else max(1, len(session.node_cpus))
 
 
 @dataclass(frozen=True)
@@ -136,6 +206,12 @@ def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession) -> fl
         print(f"[deepinfer] runtime.engine_cpus={engine_cpus} x {engines} engines does not fit the cluster's "
               f"{session.num_cpus:g} CPUs beside the CPU stages; using {fitted:.2f} CPUs per engine",
               file=sys.stderr)
+    # An actor larger than every node can never be placed: the run would wait forever.
+    largest = max(session.node_cpus, default=session.num_cpus)
+    if fitted > largest - _LIGHT_CPUS and largest > _LIGHT_CPUS:
+        fitted = largest - _LIGHT_CPUS
+        print(f"[deepinfer] runtime.engine_cpus={engine_cpus} exceeds the largest node's {largest:g} CPUs "
+              f"beside the CPU stages; using {fitted:.2f} CPUs per engine", file=sys.stderr)
     # Ray Data fuses map stages with equal resource requests; the engine must stay its own stage (else
     # each engine actor would read and tokenize its parts itself, serially).
     return fitted if abs(fitted - _LIGHT_CPUS) > 1e-6 else fitted * 0.99
@@ -149,7 +225,8 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     if not parts:
         return
     use_gpu = uses_gpus(plan, session)
-    engines = engine_count(settings.engines, session, use_gpu)
+    engines = engine_count(settings.engines, session, use_gpu,
+                           plan.engine_kwargs.get("tensor_parallel_size", 1))
     engine_cpus = fit_engine_cpus(settings.engine_cpus, engines, session)
     # One block per part, and batch_size=None below (a batch is a whole block): Ray Data then never
     # merges parts into one task, so each part's results come back, and are committed, on their own.
@@ -159,10 +236,24 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     # engine needs, delaying the first commits for work that is not needed yet.
     ds = ds.map_batches(prepare_batch, fn_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
                         num_cpus=_LIGHT_CPUS, concurrency=engines)
+    # Placement: Ray Data creates pool actors with its SPREAD default (DataContext.scheduling_strategy;
+    # an explicit scheduling_strategy is deprecated there), so engines go to different nodes first.
     ds = ds.map_batches(
-        EngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
-        num_gpus=1 if use_gpu else 0, num_cpus=engine_cpus,
+        NodeEngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
+        # A tensor-parallel engine (model.tensor_parallel_size) spans that many GPUs of one node.
+        num_gpus=plan.engine_kwargs.get("tensor_parallel_size", 1) if use_gpu else 0, num_cpus=engine_cpus,
         compute=ray.data.ActorPoolStrategy(size=engines,
                                            max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
     yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+
+
+class NodeEngineActor(EngineActor):
+    """The engine actor of a Ray run: its engine id (run summary, per-engine figures) names its node,
+    since simulated or containerised nodes may share one hostname."""
+
+    def __init__(self, plan: StagePlan) -> None:
+        super().__init__(plan)
+        import ray
+
+        self.stage.engine_id = f"{self.stage.engine_id}@{ray.get_runtime_context().get_node_id()[:12]}"

@@ -224,13 +224,16 @@ class OutputStore(OutputReader):
         self.close()
 
     # ---- committing --------------------------------------------------------------------------------
-    def commit_part(self, part_id: str, rows: pa.Table, errors: pa.Table | None, fmt: str) -> bool:
+    def commit_part(self, part_id: str, rows: pa.Table, errors: pa.Table | None, fmt: str,
+                    input_rows: int | None = None) -> bool:
         """Commit one part's result rows and error rows together, exactly once.
 
         ``rows`` and ``errors`` (:data:`~deepinfer.pipeline.errors.ERROR_SCHEMA`) are in input order and
         together account for every row of the part (ValueError otherwise). Returns True when this call
         committed the part, False when it already was committed (by an earlier or a racing run) — then
-        nothing of the committed part is touched.
+        nothing of the committed part is touched. ``input_rows``: how many input rows ``rows`` covers when
+        that is not its row count (sampling.n > 1: one result row per sample); the marker's ``rows``
+        counts input rows, each object's ``rows`` the rows in its file.
         """
         if self._job is None or self._lease is None:
             raise RuntimeError("call OutputStore.begin() first (no commits once the job is complete)")
@@ -240,9 +243,10 @@ class OutputStore(OutputReader):
         if part_id not in self._plan:
             raise ValueError(f"part {part_id!r} is not in this job's part plan")
         n_err = 0 if errors is None else errors.num_rows
-        if rows.num_rows + n_err != self._plan[part_id]:
+        n_rows = rows.num_rows if input_rows is None else input_rows
+        if n_rows + n_err != self._plan[part_id]:
             raise ValueError(
-                f"part {part_id} has {self._plan[part_id]} input rows but got {rows.num_rows} result rows "
+                f"part {part_id} has {self._plan[part_id]} input rows but got {n_rows} result rows "
                 f"+ {n_err} error rows; every row must end in exactly one of them"
             )
         if errors is not None and n_err and not errors.schema.equals(ERROR_SCHEMA):
@@ -262,7 +266,7 @@ class OutputStore(OutputReader):
         codes: dict[str, int] = {}
         for code in errors.column("code").to_pylist() if n_err else []:
             codes[code] = codes.get(code, 0) + 1
-        marker = {"part_id": part_id, "format": fmt, "rows": rows.num_rows, "error_rows": n_err,
+        marker = {"part_id": part_id, "format": fmt, "rows": n_rows, "error_rows": n_err,
                   "error_codes": codes, "objects": written}
         if not storage.put_if_absent(self.fs, self.marker_path(part_id), dumps(marker)):
             winner = self.read_marker(part_id) or {}

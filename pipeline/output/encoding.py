@@ -23,8 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-FORMATS = ("parquet", "jsonl")
-EXTENSIONS = {"parquet": "parquet", "jsonl": "jsonl"}
+FORMATS = ("parquet", "jsonl", "openai_batch")  # openai_batch: Batch API lines (batch_lines.py)
+EXTENSIONS = {"parquet": "parquet", "jsonl": "jsonl", "openai_batch": "jsonl"}
 
 
 def check_format(fmt: str) -> str:
@@ -51,6 +51,10 @@ def encode_table(table: pa.Table, fmt: str) -> bytes:
             store_schema=True,
         )
         return buf.getvalue()
+    if fmt == "openai_batch":
+        from deepinfer.pipeline.output.batch_lines import encode_lines
+
+        return encode_lines(table)
     lines = [
         json.dumps(_jsonable(row), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         for row in table.to_pylist()
@@ -63,6 +67,10 @@ def decode_table(data: bytes, fmt: str) -> pa.Table:
     check_format(fmt)
     if fmt == "parquet":
         return pq.read_table(io.BytesIO(data))
+    if fmt == "openai_batch":
+        from deepinfer.pipeline.output.batch_lines import decode_lines
+
+        return decode_lines(data)
     rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
     return pa.Table.from_pylist(rows)
 

@@ -219,6 +219,8 @@ def job_fingerprint(spec: Any, model_dir: str | None, input_listing: Sequence[An
         # score columns and metrics.json depend on it; a component only when present, so the
         # fingerprints of jobs without an eval (and their resumes) are what they always were
         extra["eval"] = _component(s.get("eval"))
+    if s.get("output_schema_mode") not in (None, "strict"):  # the default keeps older fingerprints as is
+        extra["schema_mode"] = _component(s.get("output_schema_mode"))
     return {
         "version": FINGERPRINT_VERSION,
         "deepinfer": _component(__version__),
@@ -246,6 +248,7 @@ _LABELS = {
     "input": "input",
     "runtime": "runtime",
     "eval": "eval",
+    "schema_mode": "output_schema_mode",
 }
 _MAX_ITEMS = 5
 

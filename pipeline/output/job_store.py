@@ -65,6 +65,14 @@ def fingerprint_document(document: dict) -> dict:
     return doc
 
 
+def input_rows_of(rows: pa.Table) -> int:
+    """Input rows a result table covers: with sampling.n > 1 a row has one result row per sample (its
+    sample 0 counts it), so markers, status and the error budget keep counting input rows."""
+    if "sample_index" not in rows.column_names:
+        return rows.num_rows
+    return sum(1 for s in rows.column("sample_index").to_pylist() if s == 0)
+
+
 class JobStore:
     """One run's handle on its output; `resume` says what earlier runs left."""
 
@@ -74,13 +82,18 @@ class JobStore:
 
     @classmethod
     def open(cls, spec: JobSpec, listing: list[InputFile], parts: list[PartSpec], model_dir: str,
-             restart: bool = False) -> JobStore:
+             restart: bool = False, duplicates: dict[int, list[int]] | None = None) -> JobStore:
+        """Open (or create) the output of this job. `duplicates` (file index -> duplicate-id rows, the
+        verdict of stages/dedupe.py, a pure function of the fingerprinted input) is recorded in a new
+        `_job.json` so that a resume can skip the id pass (runner.py); None records nothing."""
         fs, _ = filesystem(spec.input.path, spec.input.storage_options)
         entries = []
         for f in listing:  # one root per file: a glob's files may sit in different subdirectories
             entries += describe_inputs(fs, [f.path], f.root, {f.path: f.num_rows})
         fingerprint = job_fingerprint(fingerprint_document(spec.document), model_dir, entries)
         record = make_job_record(redact(spec.document), fingerprint, parts, spec.output.format)
+        if duplicates is not None:
+            record["duplicates"] = {str(k): list(v) for k, v in sorted(duplicates.items())}
         store = OutputStore(spec.output.path, spec.output.storage_options)
         resume = store.begin(record, restart=restart)
         return cls(store, resume, fingerprint, spec.output.format)
@@ -101,10 +114,11 @@ class JobStore:
 
     def commit(self, part_id: str, rows: pa.Table, errors: pa.Table) -> CommitOutcome:
         """Commit a part exactly once; a racing run that committed it first keeps it (and its counts)."""
-        if self.store.commit_part(part_id, rows, errors, self.format):
-            return CommitOutcome(True, rows.num_rows, errors.num_rows)
+        n_in = input_rows_of(rows)
+        if self.store.commit_part(part_id, rows, errors, self.format, input_rows=n_in):
+            return CommitOutcome(True, n_in, errors.num_rows)
         marker = self.store.read_marker(part_id) or {}
-        return CommitOutcome(False, int(marker.get("rows", rows.num_rows)),
+        return CommitOutcome(False, int(marker.get("rows", n_in)),
                              int(marker.get("error_rows", errors.num_rows)))
 
     def write_success(self, summary: dict) -> None:

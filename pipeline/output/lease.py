@@ -1,10 +1,15 @@
 """Run leases: which runs are live on an output, so that orphan cleanup never races a live writer.
 
 Each run that may write to an output holds ``_runs/{run_id}.json``:
-``{"run_id", "host", "pid", "pid_start", "heartbeat", "cleaning"}``, refreshed by a heartbeat thread.
-A lease is dead when its process is gone (same host: checked through /proc, including pid reuse via the
-process start time) or its heartbeat is older than ``ttl_s`` (other hosts). Dead leases are removed by
-whoever notices.
+``{"run_id", "host", "pidns", "node", "pid", "pid_start", "heartbeat", "cleaning"}``, refreshed by a
+heartbeat thread. A lease is dead when its process is gone (same host and pid namespace: checked through
+/proc, including pid reuse via the process start time) or its heartbeat is older than ``ttl_s`` (other
+hosts, and other containers of this host, whose pids /proc here does not show). Dead leases are removed
+by whoever notices. ``node`` is the Ray node id of a driver attached to Ray (or null), for `status`.
+
+Across nodes the heartbeat is the only liveness signal, compared with this machine's clock: clocks must
+agree to well within ``ttl_s`` (120 s; NTP keeps them within milliseconds). A driver whose node dies
+stops beating; its lease goes stale after ``ttl_s`` and the next run's cleanup proceeds then.
 
 Why this makes cleanup safe (the protocol in :class:`deepinfer.pipeline.output.commit.OutputStore`):
 a run A deletes orphans only as ``set own cleaning=True -> snapshot the objects -> list leases -> delete from
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -42,9 +48,33 @@ def _proc_start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else ""
 
 
-def process_alive(host: str, pid: int, pid_start: str | None = None) -> bool | None:
-    """Whether a process of this host is alive; None when ``host`` is another machine (cannot tell)."""
+def pid_namespace() -> str | None:
+    """This process's pid namespace (containers on one host share its boot id and maybe its hostname,
+    but not their pids), or None where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def ray_node() -> str | None:
+    """The Ray node id of this process when it is connected to Ray (without importing Ray)."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # a half-initialised or shutting-down Ray: the field is informational only
+        return None
+    return None
+
+
+def process_alive(host: str, pid: int, pid_start: str | None = None, pidns: str | None = None
+                  ) -> bool | None:
+    """Whether a process of this host is alive; None when ``host`` is another machine, or ``pidns`` is
+    another pid namespace of this one (cannot tell: then only the heartbeat says)."""
     if host != storage.host_tag():
+        return None
+    if pidns is not None and pidns != pid_namespace():
         return None
     if not os.path.exists("/proc/self/stat"):
         try:
@@ -82,6 +112,8 @@ class Lease:
             {
                 "run_id": self.run_id,
                 "host": storage.host_tag(),
+                "pidns": pid_namespace(),
+                "node": ray_node(),
                 "pid": pid,
                 "pid_start": _proc_start_time(pid),
                 "heartbeat": time.time(),
@@ -156,7 +188,7 @@ def read_leases(fs: fsspec.AbstractFileSystem, root: str, ttl_s: float) -> list[
             continue
         try:
             rec = json.loads(data)
-            alive = process_alive(rec["host"], int(rec["pid"]), rec.get("pid_start"))
+            alive = process_alive(rec["host"], int(rec["pid"]), rec.get("pid_start"), rec.get("pidns"))
             fresh = now - float(rec["heartbeat"]) <= ttl_s
         except (ValueError, KeyError, TypeError):
             alive, fresh = False, False

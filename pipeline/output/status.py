@@ -50,7 +50,7 @@ def _live_runs(store: OutputReader, ttl_s: float = 120.0) -> int:
         data = storage.read_bytes(store.fs, storage.join(directory, name))
         try:
             rec = json.loads(data or b"")
-            alive = process_alive(rec["host"], int(rec["pid"]), rec.get("pid_start"))
+            alive = process_alive(rec["host"], int(rec["pid"]), rec.get("pid_start"), rec.get("pidns"))
             fresh = time.time() - float(rec["heartbeat"]) <= ttl_s
         except (ValueError, KeyError, TypeError):
             continue

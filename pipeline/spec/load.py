@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.pipeline.spec.bounds import more_nodes_than
+from deepinfer.pipeline.spec.engine_options import EngineOptions
 from deepinfer.pipeline.spec.paths import output_path_problems
+from deepinfer.pipeline.spec.request_formats import request_format_problems
 from deepinfer.pipeline.spec.safe_yaml import SpecSyntaxError, load_spec_text, parse_override, short
 from deepinfer.pipeline.spec.schema import SpecError, validate_document
 from deepinfer.pipeline.spec.secrets import looks_secret, redact, storage_option_problems, url_problems
 
 PATH_FIELDS = (("model", "path"), ("input", "path"), ("output", "path"))
 # Output columns the pipeline writes itself; output_schema properties and kept columns may not reuse them.
-RESERVED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "seed", "json")
+RESERVED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "seed", "json", "sample_index",
+                    "logprobs", "prompt_logprobs")
 DEFAULT_ID_COLUMN = "id"
-
 
 # Kept importable from here: the secret rule lives in secrets.py.
 __all__ = ["JobSpec", "SpecError", "apply_override", "load_document", "load_spec", "looks_secret", "redact"]
@@ -91,7 +93,7 @@ def apply_override(doc: dict, assignment: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(EngineOptions):
     """model: which checkpoint and the engine's construction arguments."""
 
     name: str | None
@@ -120,10 +122,11 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class PromptSpec:
-    template: str
+    template: str | None
     mode: str
     system: str | None
     chat_date: str
+    messages_column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class SamplingSpec:
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def params_kwargs(self) -> dict[str, Any]:
         """SamplingParams keyword arguments shared by every row (the row seed is added per row)."""
@@ -152,6 +158,10 @@ class SamplingSpec:
             "ignore_eos": self.ignore_eos, "repetition_penalty": float(self.repetition_penalty),
             "presence_penalty": float(self.presence_penalty),
             "frequency_penalty": float(self.frequency_penalty),
+            # only when asked for: the engine's defaults (n=1, no logprobs) are what older jobs ran with
+            **({"n": self.n} if self.n != 1 else {}),
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+            **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
         }
 
 
@@ -176,6 +186,8 @@ class RuntimeSpec:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     gpu_memory_utilization: float
+    shared_filesystem: bool = False  # local paths are visible to every node (multi-node clusters)
+    benchmark_stub_engine: bool = False  # pipeline benchmark mode: no model runs (fingerprinted)
 
 
 @dataclass(frozen=True)
@@ -194,12 +206,13 @@ class JobSpec:
     document: dict
     eval: Any = None  # evaluation.EvalSpec when the spec has an `eval:` section
     sweep: dict | None = None  # the `sweep:` section; sweep.expand_points turns it into point specs
+    output_schema_mode: str = "strict"  # 'validate': grammar from the enforceable part, jsonschema after
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for deepinfer.engine.LLM besides `model` (nulls left to the engine)."""
         m, r = self.model, self.runtime
         kwargs = {
-            "dtype": m.dtype, "device": m.device, "deterministic": m.deterministic,
+            "dtype": m.dtype, "device": m.device, "deterministic": m.deterministic, **m.engine_options(),
             "enable_prefix_caching": m.enable_prefix_caching, "allow_pickle": m.allow_pickle,
             "max_num_seqs": r.max_num_seqs, "gpu_memory_utilization": r.gpu_memory_utilization,
         }
@@ -220,6 +233,8 @@ class JobSpec:
         from deepinfer.pipeline.evaluation import EvalSpec
 
         filled = validate_document(doc)
+        if filled["input"]["format"] == "openai_batch" and filled["input"]["id_column"] is None:
+            filled["input"]["id_column"] = "custom_id"  # the Batch API's request id is the row id
         _semantic_checks(filled)
         s, o, r = filled["sampling"], filled["output"], filled["runtime"]
         evaluation = EvalSpec.from_document(filled["eval"]) if filled.get("eval") else None
@@ -241,6 +256,7 @@ class JobSpec:
             document=filled,
             eval=evaluation,
             sweep=filled.get("sweep"),
+            output_schema_mode=filled["output_schema_mode"],
         )
 
 
@@ -257,6 +273,7 @@ def _semantic_checks(doc: dict) -> None:
     if doc["prompt"]["mode"] == "raw" and doc["prompt"]["system"] is not None:
         problems.append("prompt.system: only used in chat mode; remove it or set prompt.mode: chat")
     problems += _template_problems(doc["prompt"])
+    problems += request_format_problems(doc)  # prompt source (template, messages, Batch) + formats
     for section in ("input", "output"):
         problems += storage_option_problems(doc[section]["storage_options"], f"{section}.storage_options")
         problems += url_problems(doc[section]["path"], f"{section}.path")
@@ -280,7 +297,8 @@ def _semantic_checks(doc: dict) -> None:
     elif schema is not None:
         from deepinfer.pipeline.spec.output_columns import schema_problems
 
-        problems += schema_problems(schema, taken | set(doc["output"]["keep_columns"]))
+        problems += schema_problems(schema, taken | set(doc["output"]["keep_columns"]),
+                                    enforce_all=doc["output_schema_mode"] == "strict")
     problems += output_path_problems(doc["output"]["path"], doc["input"]["path"])
     problems += _eval_and_sweep_problems(doc, taken | set(doc["output"]["keep_columns"]))
     if problems:

@@ -78,9 +78,10 @@ def column_value(kind: str, value: Any) -> Any:
     return value
 
 
-def schema_problems(schema: Any, taken: set[str]) -> list[str]:
-    """Problems with an output_schema: not a valid JSON Schema, unsupported by the grammar backend, or a
-    top-level property that clashes with a column the pipeline already writes."""
+def schema_problems(schema: Any, taken: set[str], enforce_all: bool = True) -> list[str]:
+    """Problems with an output_schema: not a valid JSON Schema, unsupported by the grammar backend (with
+    `enforce_all` False, output_schema_mode: validate, only what even its enforceable part cannot fix),
+    or a top-level property that clashes with a column the pipeline already writes."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
@@ -93,7 +94,13 @@ def schema_problems(schema: Any, taken: set[str]) -> list[str]:
         f"output_schema.properties.{name}: clashes with output column {name!r} (rename the property)"
         for name, _ in column_kinds(schema) if name in taken
     ]
-    problems += grammar_problems(schema)
+    if enforce_all:
+        problems += [p + " (or set output_schema_mode: validate to constrain by the enforceable part and "
+                     "validate the rest after generation)" for p in grammar_problems(schema)]
+    else:
+        from deepinfer.pipeline.spec.enforceable import enforceable_part
+
+        problems += enforceable_part(schema)[2]
     return problems
 
 

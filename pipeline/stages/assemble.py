@@ -4,9 +4,12 @@ Column types come from the spec (and, for kept Parquet columns, from the input f
 whichever values happen to be in the part, and rows are ordered by their input position: the same rows
 always give the same tables, hence the same file bytes.
 
-Output row columns, in order: the id column, text, finish_reason, prompt_tokens, output_tokens, seed, the
-kept input columns, then with an output_schema `json` (canonical JSON text) and one typed column per
-top-level property. Error rows (errors.ERROR_SCHEMA): id, stage, code, message.
+Output row columns, in order: the id column, text, finish_reason, prompt_tokens, output_tokens, seed, then
+`sample_index` (int64; sampling.n > 1 or Batch input: one row per sample, `seed` the sample's own),
+`logprobs` and `prompt_logprobs` (sampling.logprobs / prompt_logprobs set, or Batch input for logprobs;
+engine_rows.LOGPROBS_TYPE), the kept input columns, then with an output_schema `json` (canonical JSON
+text) and one typed column per top-level property. `output.format: openai_batch` writes Batch API lines
+instead (openai_batch_output.py). Error rows (errors.ERROR_SCHEMA): id, stage, code, message.
 
 Ids: a row id is compared (duplicates, seeds) in its canonical text form, so 7 and "7" are one id. The
 output id column keeps an integer or string type only where the whole input agrees on it (Parquet files
@@ -63,8 +66,11 @@ class PartAssembler:
 
     def __init__(self, id_column: str, derived_id: bool, keep_columns: tuple[str, ...],
                  output_schema: dict | None, keep_types: dict[str, pa.DataType] | None = None,
-                 scorer: Any = None) -> None:
+                 scorer: Any = None, samples: bool = False, logprobs: bool = False,
+                 prompt_logprobs: bool = False, batch_output: Any = None) -> None:
         self.id_column, self.keep = id_column, keep_columns
+        self.samples, self.logprobs, self.prompt_logprobs = samples, logprobs, prompt_logprobs
+        self.batch_output = batch_output  # openai_batch_output.BatchOutput for output.format openai_batch
         self.scorer = scorer  # evaluation.Scorer of an `eval:` job: score_* columns after the rest
         self.keep_types = dict(keep_types or {})
         self.keep_types[id_column] = pa.string() if derived_id else id_type(self.keep_types.get(id_column))
@@ -76,7 +82,9 @@ class PartAssembler:
         rows = results.to_pylist()
         ok = [r for r in rows if r["__err_stage"] is None]
         bad = [r for r in rows if r["__err_stage"] is not None]
-        return self._rows_table(ok), self._errors_table(bad)
+        if self.batch_output is not None:
+            return self.batch_output.table(ok), self._errors_table(bad)
+        return self._rows_table(_per_sample(ok)), self._errors_table(bad)
 
     def _errors_table(self, bad: list[dict]) -> pa.Table:
         return C.table({
@@ -99,6 +107,14 @@ class PartAssembler:
         for name, src, type_ in fixed:
             names.append(name)
             arrays.append(pa.array([r[src] for r in ok], type=type_))
+        from deepinfer.pipeline.stages.engine_rows import LOGPROBS_TYPE
+
+        for name, src, type_, on in (("sample_index", "__sample", pa.int64(), self.samples),
+                                     ("logprobs", "__logprobs", LOGPROBS_TYPE, self.logprobs),
+                                     ("prompt_logprobs", "__plp", LOGPROBS_TYPE, self.prompt_logprobs)):
+            if on:
+                names.append(name)
+                arrays.append(pa.array([r[src] for r in ok], type=type_))
         for col in self.keep:
             if col == self.id_column:
                 continue
@@ -115,10 +131,31 @@ class PartAssembler:
         if self.scorer is not None:
             ref = self.scorer.spec.reference_column
             refs = [k.get(ref) for k in kept]
-            for name, array in self.scorer.columns([r["__text"] for r in ok], refs):
+            choices_col = self.scorer.spec.choices_column
+            choices = [k.get(choices_col) for k in kept] if choices_col else None
+            logliks = [r["__loglik"] for r in ok] if choices_col else None
+            for name, array in self.scorer.columns([r["__text"] for r in ok], refs, choices, logliks):
                 names.append(name)
                 arrays.append(array)
         return pa.Table.from_arrays(arrays, names=names)
+
+
+def _per_sample(ok: list[dict]) -> list[dict]:
+    """Engine rows -> output rows: one per sample (__extra "samples"), with its logprobs, the row's prompt
+    logprobs and option log-likelihoods; a row without samples is its sample 0."""
+    out = []
+    for r in ok:
+        extra = json.loads(r["__extra"]) if r.get("__extra") else {}
+        shared = {"__plp": extra.get("prompt_logprobs"), "__loglik": extra.get("loglik")}
+        samples = extra.get("samples")
+        if not samples:
+            out.append({**r, **shared, "__sample": 0, "__logprobs": None})
+            continue
+        for index, s in enumerate(samples):
+            out.append({**r, **shared, "__sample": index, "__logprobs": s["logprobs"], "__text": s["text"],
+                        "__finish": s["finish"], "__ntok": s["ntok"], "__seed": s["seed"],
+                        "__json": s["json"]})
+    return out
 
 
 def keep_types_from_parquet(urls: list[str], columns: list[str], storage_options: dict | None

@@ -21,9 +21,13 @@ LOCATION = [("__part", pa.string()), ("__file", pa.int32()), ("__row", pa.int64(
 ERROR = [("__err_stage", pa.string()), ("__err_code", pa.string()), ("__err_msg", pa.string())]
 
 READ_SCHEMA = pa.schema([*LOCATION, ("__input", pa.string()), *ERROR])
+# __aux (JSON text, null when unused): what a row asks beyond its prompt text: "messages" (a conversation
+# for the chat template), "params" (per-row sampling overrides, OpenAI Batch bodies), "schema" (a per-row
+# response_format schema), "choices" (choice_loglikelihood options; after tokenize also "choice_ids" and
+# "choice_ctx", each option's prompt + continuation ids and where the continuation starts).
 PROMPT_SCHEMA = pa.schema([
     *LOCATION, ("__row_id", pa.string()), ("__keep", pa.string()), ("__user", pa.string()),
-    ("__system", pa.string()), *ERROR,
+    ("__system", pa.string()), *ERROR, ("__aux", pa.string()),
 ])
 TOKENIZE_SCHEMA = pa.schema([*PROMPT_SCHEMA, ("__ids", pa.list_(pa.int32())), ("__plen", pa.int32())])
 ENGINE_SCHEMA = pa.schema([
@@ -33,6 +37,15 @@ ENGINE_SCHEMA = pa.schema([
     # Wall-clock (epoch) time the row's engine sampled its first token of the run: the summary's
     # time_to_first_token_s, measured where it happens (an engine actor) and carried back with the rows.
     ("__t_first", pa.float64()),
+    # JSON text, null when unused: "samples" (every sample's text, finish, ntok, seed, json, logprobs when
+    # sampling.n > 1, logprobs are asked for, or the row is a Batch request), "prompt_logprobs", "loglik"
+    # (choice_loglikelihood: one log-likelihood per option), "usage"/"model" for Batch output.
+    ("__extra", pa.string()),
+    # JSON text on the first generated row of each engine call, null elsewhere: that call's MTP deltas
+    # ("drafted", "accepted", "verify_steps") and the engine's state after it ("enabled", "active",
+    # "disabled_reason", "estimated_speedup", "verify_steps_total"), summed by the driver (summary.py).
+    # Last so older tables concatenate; never written to parts (assemble.py picks named columns).
+    ("__spec", pa.string()),
 ])
 
 

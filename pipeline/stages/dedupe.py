@@ -20,6 +20,7 @@ keeps small (and a job over it stops with exit 3 anyway).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -139,10 +140,10 @@ def with_duplicates(tasks: Sequence[Any], duplicates: dict[int, list[int]]) -> l
     """The part tasks with each one's ``duplicates`` (its rows to quarantine as DUPLICATE_ID) filled in."""
     out = []
     for task in tasks:
-        rows = duplicates.get(task.file_index)
+        rows = duplicates.get(task.file_index)  # sorted (find_duplicates): bisect, not a scan per part
         if rows:
-            end = task.first_row + task.num_rows
-            mine = tuple(r for r in rows if task.first_row <= r < end)
+            lo = bisect.bisect_left(rows, task.first_row)
+            mine = tuple(rows[lo:bisect.bisect_left(rows, task.first_row + task.num_rows, lo)])
             if mine:
                 task = dataclasses.replace(task, duplicates=mine)
         out.append(task)

@@ -7,13 +7,11 @@ validated with jsonschema; rows that fail (or hit max_tokens) are quarantined, n
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +35,6 @@ def _validate_output(text: str, finish: str, validator) -> tuple[str | None, tup
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")), None
 
 
-# Test hook: with this set to 1 in the submitting process, engines are StubLLMs (no model, no torch), so
-# tests can push many rows through the real driver, stages and commits in seconds. A no-op unless set.
-STUB_ENGINE_ENV = "DEEPINFER_TEST_STUB_ENGINE"
 
 
 def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
@@ -48,31 +43,25 @@ def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
     return LLM(model=model_ref, **engine_kwargs)
 
 
-# Engines kept for reuse while a sweep runs its points in this process (None: no sharing, the default).
-_shared: dict[str, Any] | None = None
+class EngineCache:
+    """The engines one process has built, by model and engine settings: stages given the same cache share
+    one LLM, so a sweep's points build each model once (created by the sweep, passed down explicitly).
 
+    Safe for the output bytes: a row depends only on its own prompt, parameters and seed (batch-invariant
+    engine), not on what the engine ran before. `builds` counts the models actually built.
+    """
 
-@contextlib.contextmanager
-def shared_engines() -> Iterator[None]:
-    """Within this block, stages of one process that ask for the same model and engine settings share
-    one LLM: a sweep's points build their model once. Safe for the output bytes: a row depends only on its
-    own prompt, parameters and seed (batch-invariant engine), not on what the engine ran before."""
-    global _shared
-    outer = _shared
-    _shared = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _shared = outer
+    def __init__(self) -> None:
+        self._engines: dict[str, Any] = {}
+        self.builds = 0
 
-
-def _load_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
-    if _shared is None:
-        return _build_llm(model_ref, engine_kwargs)
-    key = json.dumps([model_ref, engine_kwargs], sort_keys=True, default=str)
-    if key not in _shared:
-        _shared[key] = _build_llm(model_ref, engine_kwargs)
-    return _shared[key]
+    def get(self, model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
+        """The cached LLM of these settings, built on first use."""
+        key = json.dumps([model_ref, engine_kwargs], sort_keys=True, default=str)
+        if key not in self._engines:
+            self._engines[key] = _build_llm(model_ref, engine_kwargs)
+            self.builds += 1
+        return self._engines[key]
 
 
 @dataclass(frozen=True)
@@ -82,16 +71,26 @@ class _StubOutput:
     finish_reason: str
 
 
+STUB_TEXT = "<deepinfer-benchmark-stub seed={seed:016x}>"
+
+
 class StubLLM:
-    """A stand-in engine for tests (STUB_ENGINE_ENV): one deterministic token per row, from its seed."""
+    """The engine of `runtime.benchmark_stub_engine: true` (pipeline benchmark mode, not inference).
+
+    No model runs: each row gets one placeholder token and the fixed text :data:`STUB_TEXT` of its own
+    seed, so the rows are deterministic and tell apart, while reading, tokenizing, part planning, commits
+    and resume run for real at stub speed. The setting is in the job's fingerprint (job.schema.json), so
+    such an output is never resumed by, or taken for, a real run's output; the text says what it is.
+    """
 
     def generate(self, prompts: list[list[int]], params: list[Any], use_tqdm: bool = False
                  ) -> list[_StubOutput]:
-        return [_StubOutput(f"stub-{sp.seed % 1000:03d}", [sp.seed % 1000], "length") for sp in params]
+        return [_StubOutput(STUB_TEXT.format(seed=sp.seed), [sp.seed % 1000], "length") for sp in params]
 
 
 class EngineStage:
-    """Ray Data actor stage (and local-executor callable) holding one LLM.
+    """Ray Data actor stage (and local-executor callable) holding one LLM (from `engines` when given,
+    shared with the other stages that use it; else its own).
 
     Rows already carrying an error pass through. Engine ValueErrors are per-row problems (e.g. a schema
     the grammar cannot compile for one row): when a batch raises one, its rows are retried one by one so
@@ -99,11 +98,13 @@ class EngineStage:
     """
 
     def __init__(self, model_ref: str, engine_kwargs: dict[str, Any], sampling_kwargs: dict[str, Any],
-                 job_seed: int, output_schema: dict | None, stub: bool = False) -> None:
+                 job_seed: int, output_schema: dict | None, stub: bool = False, schema_mode: str = "strict",
+                 batch_input: bool = False, engines: EngineCache | None = None) -> None:
         from deepinfer.pipeline.errors import SpecError
+        from deepinfer.pipeline.stages.engine_rows import RowRequests
 
         try:
-            self.llm = StubLLM() if stub else _load_llm(model_ref, engine_kwargs)
+            self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
         except ValueError as exc:  # the engine names what to change in the spec's model section
             raise SpecError([f"model: the engine refused its configuration: {exc}"]) from exc
         self.sampling_kwargs, self.job_seed = dict(sampling_kwargs), job_seed
@@ -113,6 +114,8 @@ class EngineStage:
             from jsonschema import Draft202012Validator
 
             self.validator = Draft202012Validator(output_schema)
+        # per-row requests: Batch bodies, n samples, logprobs, choice options, output_schema_mode
+        self.requests = RowRequests(sampling_kwargs, job_seed, output_schema, schema_mode, batch_input)
         self.engine_id = f"{socket.gethostname()}:{os.getpid()}"
         accepts_tqdm = "use_tqdm" in inspect.signature(self.llm.generate).parameters
         self._tqdm_kw = {"use_tqdm": False} if accepts_tqdm else {}
@@ -147,13 +150,6 @@ class EngineStage:
         chunks = [self(table.slice(start, batch_size)) for start in range(0, table.num_rows, batch_size)]
         return pa.concat_tables(chunks)
 
-    def _params(self, row_id: str):
-        from deepinfer.engine import SamplingParams
-        from deepinfer.engine.sample.rng import derive_seed
-
-        seed = derive_seed(self.job_seed, row_id)
-        return SamplingParams(**self.sampling_kwargs, seed=seed, json_schema=self.output_schema), seed
-
     def _generate(self, prompts: list[list[int]], params: list) -> list[Any]:
         """Outputs per prompt; a ValueError for the batch is narrowed down to the rows that raise it."""
         try:
@@ -173,34 +169,62 @@ class EngineStage:
         names = [f.name for f in C.ENGINE_SCHEMA if f.name in batch.schema.names]
         cols = {name: batch.column(name).to_pylist() for name in names}
         n = batch.num_rows
-        for name in ("__text", "__finish", "__ntok", "__seed", "__json", "__engine", "__gen_s", "__t_first"):
+        for name in ("__text", "__finish", "__ntok", "__seed", "__json", "__engine", "__gen_s", "__t_first",
+                     "__extra", "__spec"):
             cols[name] = [None] * n
         live = [i for i in range(n) if cols["__err_stage"][i] is None]
         ids = batch.column("__ids").to_pylist()
-        params, seeds = [], []
+        aux_col = batch.column("__aux").to_pylist() if "__aux" in batch.schema.names else [None] * n
+        auxes = {i: C.loads(aux_col[i]) if aux_col[i] else {} for i in live}
+        reqs = {i: self.requests.request(cols["__row_id"][i], auxes[i]) for i in live}
+        prompts, params = [ids[i] for i in live], [reqs[i].params for i in live]
+        spans: dict[int, tuple[int, int]] = {}  # row -> its option requests' slice of the outputs
         for i in live:
-            sp, seed = self._params(cols["__row_id"][i])
-            params.append(sp)
-            seeds.append(seed)
+            option_ids, option_params = self.requests.choice_requests(auxes[i], reqs[i].seed)
+            if option_ids:
+                spans[i] = (len(prompts), len(prompts) + len(option_ids))
+                prompts += option_ids
+                params += option_params
         start = time.perf_counter()
-        outputs = self._generate([ids[i] for i in live], params) if live else []
+        before = self._spec_counters() if live else None
+        outputs = self._generate(prompts, params) if live else []
+        if before is not None:
+            cols["__spec"][live[0]] = self._spec_delta(before)
         share = (time.perf_counter() - start) / max(len(live), 1)
         if live and self.first_token_at is None:
             self.first_token_at = time.time()
-        for i, seed, out in zip(live, seeds, outputs):
-            cols["__seed"][i], cols["__engine"][i], cols["__gen_s"][i] = seed, self.engine_id, share
+        for i, out in zip(live, outputs):
+            cols["__seed"][i], cols["__engine"][i], cols["__gen_s"][i] = reqs[i].seed, self.engine_id, share
             cols["__t_first"][i] = self.first_token_at
             if isinstance(out, ValueError):
                 self._fail(cols, i, ("generate", "GENERATION_ERROR", str(out)))
                 continue
-            cols["__text"][i], cols["__finish"][i] = out.text, out.finish_reason
-            cols["__ntok"][i] = len(out.token_ids)
-            if self.validator is not None:
-                canonical, err = _validate_output(out.text, out.finish_reason, self.validator)
-                cols["__json"][i] = canonical
-                if err is not None:
-                    self._fail(cols, i, err)
+            logliks = self.requests.logliks(auxes[i], outputs[slice(*spans[i])]) if i in spans else None
+            res = self.requests.fold(reqs[i], out, auxes[i], logliks)
+            cols["__text"][i], cols["__finish"][i], cols["__ntok"][i] = res.text, res.finish, res.ntok
+            cols["__json"][i], cols["__extra"][i] = res.json, res.extra
+            if res.error is not None:
+                self._fail(cols, i, res.error)
         return C.table(cols, C.ENGINE_SCHEMA)
+
+    def _spec_counters(self) -> dict[str, Any] | None:
+        """The engine's speculative-decoding counters (LLM.get_stats), None for an engine without any."""
+        get_stats = getattr(self.llm, "get_stats", None)
+        return get_stats() if get_stats is not None else None
+
+    def _spec_delta(self, before: dict[str, Any]) -> str:
+        """One engine call's MTP figures as `__spec` JSON: counter deltas (the driver sums them per engine,
+        so they are right whatever order the batches come back in) and the engine's state after the call."""
+        after = self._spec_counters() or {}
+        keys = (("drafted", "spec_drafted_tokens"), ("accepted", "spec_accepted_tokens"),
+                ("verify_steps", "spec_verify_steps"))
+        figures: dict[str, Any] = {k: int(after.get(s, 0)) - int(before.get(s, 0)) for k, s in keys}
+        figures.update(
+            enabled=bool(after.get("spec_enabled", False)), active=bool(after.get("spec_active", False)),
+            disabled_reason=after.get("spec_disabled_reason"),
+            estimated_speedup=float(after.get("spec_estimated_speedup", 0.0)),
+            verify_steps_total=int(after.get("spec_verify_steps", 0)))
+        return json.dumps(figures, sort_keys=True)
 
     @staticmethod
     def _fail(cols: dict[str, list], i: int, err: tuple[str, str, str]) -> None:

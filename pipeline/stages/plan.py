@@ -10,14 +10,13 @@ from the driver.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 from deepinfer.pipeline.parts import PartTask, tasks_from_table
 from deepinfer.pipeline.spec.load import JobSpec
 from deepinfer.pipeline.stages import columns as C
-from deepinfer.pipeline.stages.generate import STUB_ENGINE_ENV, EngineStage
+from deepinfer.pipeline.stages.generate import EngineCache, EngineStage
 from deepinfer.pipeline.stages.prompt import (
     PromptStage,
     TokenizeStage,
@@ -68,20 +67,35 @@ class StagePlan:
             job_seed=spec.sampling.seed, output_schema=spec.output_schema,
             batch_size=spec.runtime.batch_size, sort_window=spec.runtime.sort_window,
             extra={"on_bad_file": spec.input.on_bad_file,
-                   "stub_engine": os.environ.get(STUB_ENGINE_ENV) == "1"},
+                   "stub_engine": spec.runtime.benchmark_stub_engine,
+                   "messages_column": spec.prompt.messages_column,
+                   "choices_column": spec.eval.choices_column if spec.eval is not None else None,
+                   "batch_input": spec.input.format == "openai_batch",
+                   "schema_mode": spec.output_schema_mode},
         )
 
     def prompt_stage(self) -> PromptStage:
         return PromptStage(self.template, self.system, self.id_column, self.keep_columns,
-                           self.output_id_column)
+                           self.output_id_column, self.extra.get("messages_column"),
+                           self.extra.get("choices_column"), bool(self.extra.get("batch_input")))
 
     def tokenize_stage(self) -> TokenizeStage:
         return _tokenize_stage(self.model_ref, self.max_model_len, self.mode, self.chat_date)
 
-    def engine_stage(self) -> EngineStage:
-        # The driver's environment decides (workers of a shared Ray cluster do not inherit it).
+    def engine_stage(self, engines: EngineCache | None = None) -> EngineStage:
+        """This plan's engine stage; its LLM comes from `engines` (shared) when given."""
+        # runtime.benchmark_stub_engine (fingerprinted): the spec decides, never a worker's environment.
         return EngineStage(self.model_ref, self.engine_kwargs, self.sampling_kwargs, self.job_seed,
-                           self.output_schema, stub=bool(self.extra.get("stub_engine")))
+                           self.output_schema, stub=bool(self.extra.get("stub_engine")),
+                           schema_mode=self.extra.get("schema_mode", "strict"),
+                           batch_input=bool(self.extra.get("batch_input")), engines=engines)
+
+    def engine_key(self) -> str:
+        """What decides the engine this plan's stage runs on: stages of plans with one key can share it."""
+        import json
+
+        return json.dumps([self.model_ref, self.engine_kwargs, bool(self.extra.get("stub_engine"))],
+                          sort_keys=True, default=str)
 
 
 @functools.lru_cache(maxsize=4)

@@ -107,27 +107,60 @@ def row_id_of(row: dict, id_column: str | None, source: str) -> tuple[str, Any, 
 
 
 class PromptStage:
-    """Render prompt.template (and prompt.system) over each row's columns in a jinja2 sandbox.
+    """Render prompt.template (and prompt.system) over each row's columns in a jinja2 sandbox; or take the
+    row's conversation from prompt.messages_column, or from an OpenAI Batch line's body (`batch_input`).
 
     StrictUndefined makes a missing column an error; printing a null value is an error too. Both
-    quarantine the row with stage 'prompt' (codes MISSING_COLUMN, NULL_VALUE, TEMPLATE_ERROR).
+    quarantine the row with stage 'prompt' (codes MISSING_COLUMN, NULL_VALUE, TEMPLATE_ERROR); malformed
+    messages, choices or Batch bodies too (BAD_MESSAGES, BAD_CHOICES, BAD_REQUEST: stages/requests.py).
+    What a row asks beyond its text travels in __aux (columns.py).
     """
 
-    def __init__(self, template: str, system: str | None, id_column: str | None,
-                 keep_columns: list[str] | tuple[str, ...], output_id_column: str) -> None:
+    def __init__(self, template: str | None, system: str | None, id_column: str | None,
+                 keep_columns: list[str] | tuple[str, ...], output_id_column: str,
+                 messages_column: str | None = None, choices_column: str | None = None,
+                 batch_input: bool = False) -> None:
         from jinja2 import StrictUndefined
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(undefined=StrictUndefined, finalize=_finalize,
                                             keep_trailing_newline=True)
-        self.template = env.from_string(template)
+        self.template = env.from_string(template) if template is not None else None
         self.system = env.from_string(system) if system is not None else None
         self.id_column, self.keep = id_column, list(keep_columns)
         self.output_id_column = output_id_column
+        self.messages_column, self.choices_column = messages_column, choices_column
+        self.batch_input = batch_input
+
+    def _request(self, row: dict) -> tuple[str | None, str | None, str | None, tuple[str, str, str] | None]:
+        """(user text, system text, __aux JSON, error) of a valid row."""
+        from deepinfer.pipeline.stages.requests import parse_batch_request, parse_choices, parse_messages
+
+        aux: dict[str, Any] = {}
+        user = system = None
+        if self.batch_input:
+            request, problem = parse_batch_request(row)
+            aux = request or {}
+        elif self.messages_column is not None:
+            messages, problem = parse_messages(row.get(self.messages_column),
+                                               f"column {self.messages_column!r}")
+            aux["messages"] = messages
+        else:
+            user, system, err = self._render(row)
+            if err is not None:
+                return None, None, None, err
+            problem = None
+        if problem is None and self.choices_column is not None:
+            aux["choices"], problem = parse_choices(row.get(self.choices_column),
+                                                    f"column {self.choices_column!r}")
+        if problem is not None:
+            return None, None, None, ("prompt", *problem)
+        return user, system, (C.dumps(aux) if aux else None), None
 
     def _render(self, row: dict) -> tuple[str | None, str | None, tuple[str, str, str] | None]:
         from jinja2 import UndefinedError
 
+        assert self.template is not None
         try:
             user = self.template.render(**row)
             system = self.system.render(**row) if self.system is not None else None
@@ -146,6 +179,7 @@ class PromptStage:
             out[loc[0]] = batch.column(loc[0]).to_pylist()
         earlier = zip(*(batch.column(n).to_pylist() for n in ("__err_stage", "__err_code", "__err_msg")))
         for source, text, read_error in zip(out["__source"], batch.column("__input").to_pylist(), earlier):
+            aux = None
             if read_error[0] is not None and text is not None:  # a duplicate id: named by its id
                 row_id, _, _ = row_id_of(C.loads(text), self.id_column, source)
                 user, system, err, keep = None, None, read_error, {self.output_id_column: None}
@@ -156,12 +190,15 @@ class PromptStage:
                 row = C.loads(text)
                 row_id, id_value, id_error = row_id_of(row, self.id_column, source)
                 keep = {self.output_id_column: id_value, **{c: row.get(c) for c in self.keep}}
-                user, system, err = (self._render(row) if id_error is None
-                                     else (None, None, ("read", *id_error)))
+                if id_error is None:
+                    user, system, aux, err = self._request(row)
+                else:
+                    user, system, err = None, None, ("read", *id_error)
             out["__row_id"].append(row_id)
             out["__keep"].append(C.dumps(keep))
             out["__user"].append(user)
             out["__system"].append(system)
+            out["__aux"].append(aux)
             out["__err_stage"].append(err[0] if err else None)
             out["__err_code"].append(err[1] if err else None)
             out["__err_msg"].append(err[2] if err else None)
@@ -195,12 +232,31 @@ class TokenizeStage:
         self.mode, self.max_model_len = mode, max_model_len
         self.now = _dt.datetime.combine(_dt.date.fromisoformat(chat_date), _dt.time())
 
-    def _text(self, user: str, system: str | None) -> str:
+    def _text(self, user: str | None, system: str | None, aux: dict) -> str:
+        if aux.get("messages") is not None:  # prompt.messages_column / a Batch body: the whole conversation
+            return self.tokenizer.apply_chat_template(aux["messages"], add_generation_prompt=True,
+                                                      now=self.now)
         if self.mode == "raw":
-            return user
+            return str(user)
         messages = ([{"role": "system", "content": system}] if system is not None else [])
         messages.append({"role": "user", "content": user})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, now=self.now)
+
+    def _choices(self, cols: dict[str, list], i: int, text: str, aux: dict) -> None:
+        """Each choice_loglikelihood option's request ids (stages/choices.py) into the row's __aux."""
+        from deepinfer.pipeline.stages.choices import option_requests
+
+        made = option_requests(self.tokenizer, text, aux["choices"], self.mode == "raw")
+        if isinstance(made, str):
+            self._fail(cols, i, "BAD_CHOICES", made)
+            return
+        ids, starts = made
+        longest = max(len(x) for x in ids)
+        if longest >= self.max_model_len:
+            self._fail(cols, i, "PROMPT_TOO_LONG", f"prompt + option has {longest} tokens; "
+                                                   f"max_model_len={self.max_model_len}")
+            return
+        cols["__aux"][i] = C.dumps({**aux, "choice_ids": ids, "choice_ctx": starts})
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         cols = {name: batch.column(name).to_pylist() for name in C.PROMPT_SCHEMA.names}
@@ -209,10 +265,16 @@ class TokenizeStage:
         for i in range(n):
             if cols["__err_stage"][i] is not None:
                 continue
+            aux = C.loads(cols["__aux"][i]) if cols["__aux"][i] else {}
             try:
-                texts[i] = self._text(cols["__user"][i], cols["__system"][i])
+                texts[i] = self._text(cols["__user"][i], cols["__system"][i], aux)
             except ValueError as exc:
                 self._fail(cols, i, "TEMPLATE_ERROR", f"chat template: {exc}")
+                continue
+            if aux.get("choices"):
+                self._choices(cols, i, texts[i], aux)
+                if cols["__err_stage"][i] is not None:
+                    del texts[i]
         order = sorted(texts)
         # The rendered chat text already holds bos; raw prompts get the tokenizer's usual special tokens.
         encoded = self.tokenizer.encode_batch([texts[i] for i in order],

@@ -23,6 +23,7 @@ from deepinfer.pipeline.errors import InputError, SpecError
 from deepinfer.pipeline.parts import relative_input_path
 
 EXTENSIONS = {"parquet": (".parquet", ".pq"), "jsonl": (".jsonl", ".json", ".ndjson", ".jsonl.gz")}
+EXTENSIONS["openai_batch"] = EXTENSIONS["jsonl"]  # Batch API input files are JSONL, one request a line
 _GLOB_CHARS = "*?["
 
 

@@ -281,7 +281,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     assert all(a in str(err.value) for a in supported_architectures())
     assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                               "Qwen3ForCausalLM", "DeepseekV2ForCausalLM",
-                                              "DeepseekV3ForCausalLM"}
+                                              "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM"}
 
 
 def test_max_model_len_bounds_the_rotary_table(tmp_path):

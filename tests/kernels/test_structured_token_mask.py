@@ -73,6 +73,36 @@ def test_all_ones_row_masks_nothing_and_bits_past_vocab_are_ignored():
     assert torch.equal(got, logits)
 
 
+@pytest.mark.parametrize("s,v", [(3, 31), (4, 33), (5, 100), (3, 1030)])
+@pytest.mark.parametrize("with_rows", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_matches_reference_with_bitmask_rows(s, v, with_rows, dtype):
+    """The engine's CPU path (numpy unpack) equals the reference, with and without a slot indirection."""
+    logits, slots = _random_case(s + 3, v, seed=7 * s + v, dtype=dtype)   # more slots than logits rows
+    logits = logits[:s]
+    rows = torch.tensor([s - 1, 0]) if with_rows else None
+    pick = torch.tensor([s + 2, 1]) if with_rows else torch.arange(s + 2, -1, -1)[:s]
+    expected, got = logits.clone(), logits.clone()
+    apply_token_bitmask_torch_(expected, slots, rows, pick)
+    apply_token_bitmask_(got, slots, rows, pick)
+    assert torch.equal(got, expected)
+    # The indirection means exactly "gather the slot rows first".
+    gathered = torch.zeros(s, slots.shape[1], dtype=torch.int32)
+    gathered[rows if rows is not None else torch.arange(s)] = slots[pick]
+    naive = _naive(logits, gathered, None if rows is None else rows.tolist())
+    assert torch.equal(got.float(), naive.float())
+
+
+def test_cpu_path_on_a_column_slice_of_padded_logits():
+    wide, bitmask = _random_case(3, 96, seed=11)
+    bitmask = bitmask[:, :2].contiguous()
+    for rows in (None, torch.tensor([2])):
+        a, b = wide.clone(), wide.clone()
+        apply_token_bitmask_(a[:, :64], bitmask, rows)
+        apply_token_bitmask_torch_(b[:, :64], bitmask, rows)
+        assert torch.equal(a, b) and torch.equal(a[:, 64:], wide[:, 64:])
+
+
 @pytest.mark.parametrize(
     "logits,bitmask,rows,message",
     [
@@ -90,6 +120,19 @@ def test_wrapper_rejects_bad_arguments(logits, bitmask, rows, message):
         apply_token_bitmask_(logits, bitmask, rows)
 
 
+@pytest.mark.parametrize(
+    "bitmask,rows,pick,message",
+    [
+        (torch.zeros(5, 3, dtype=torch.int32), None, torch.tensor([0, 1]), "words per row"),
+        (torch.zeros(5, 2, dtype=torch.int32), None, torch.tensor([0]), "bitmask_rows: 1 entries"),
+        (torch.zeros(5, 2, dtype=torch.int32), torch.tensor([1]), torch.tensor([5]), "bitmask_rows: values"),
+    ],
+)
+def test_wrapper_rejects_bad_bitmask_rows(bitmask, rows, pick, message):
+    with pytest.raises(ValueError, match=message):
+        apply_token_bitmask_(torch.zeros(2, 64), bitmask, rows, pick)
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -105,6 +148,13 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             apply_token_bitmask_torch_(a, bm, rows)
             apply_token_bitmask_triton_(b, bm, rows)
             assert torch.equal(a, b), (s, v, rows)
+            # per-request slots: updated row i reads bitmask row pick[i]
+            n = s if rows is None else rows.numel()
+            pick = torch.arange(n - 1, -1, -1) % s
+            a, b = logits.clone(), logits.clone()
+            apply_token_bitmask_torch_(a, bm, rows, pick)
+            apply_token_bitmask_triton_(b, bm, rows, pick.to(torch.int32))
+            assert torch.equal(a, b), (s, v, rows, "slots")
     print("OK")
     """
 )

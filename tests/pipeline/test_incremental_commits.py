@@ -116,7 +116,7 @@ def test_driver_memory_stays_flat_as_rows_grow(tmp_path, tiny_checkpoint) -> Non
         spec = _spec(tmp_path, model, data, 500, "local", keep=("blob",), max_tokens=1)
         summary_path = tmp_path / f"summary{n}.json"
         proc = start_submit(spec, str(tmp_path / f"out{n}"), "--summary-json", str(summary_path),
-                            env={"DEEPINFER_TEST_STUB_ENGINE": "1"})
+                            "--set", "runtime.benchmark_stub_engine=true")
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
         summary = json.loads(summary_path.read_text())

@@ -79,10 +79,9 @@ def test_running_then_interrupted_then_complete(tmp_path, model) -> None:
 
 def test_error_budget_exit_is_reported_failed_until_a_rerun_succeeds(tmp_path, model, monkeypatch,
                                                                      capsys) -> None:
-    monkeypatch.setenv("DEEPINFER_TEST_STUB_ENGINE", "1")
     data = write_jsonl(tmp_path / "in.jsonl", _rows(40, missing_every=4))
     out = tmp_path / "out"
-    spec = _spec(tmp_path, model, data, out, max_error_fraction=0.1)
+    spec = _spec(tmp_path, model, data, out, max_error_fraction=0.1, benchmark_stub_engine=True)
     assert main(["submit", str(spec)]) == ExitCode.BUDGET
     st = job_status(str(out))
     assert st["state"] == "failed" and st["live_runs"] == 0, st
@@ -113,9 +112,8 @@ def test_failure_reasons_name_the_cause() -> None:
 def test_racing_submits_each_count_only_their_own_commits(tmp_path, model) -> None:
     data = write_jsonl(tmp_path / "in.jsonl", _rows(400))
     out = tmp_path / "out"
-    spec = _spec(tmp_path, model, data, out)
-    env = {"DEEPINFER_TEST_STUB_ENGINE": "1"}
-    procs = [start_submit(spec, str(out), "--summary-json", str(tmp_path / f"s{i}.json"), env=env)
+    spec = _spec(tmp_path, model, data, out, benchmark_stub_engine=True)
+    procs = [start_submit(spec, str(out), "--summary-json", str(tmp_path / f"s{i}.json"))
              for i in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=120)

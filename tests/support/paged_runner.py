@@ -32,7 +32,11 @@ class PagedBatchRunner:
         # NaN-filled: attention must never let an unwritten or masked slot reach a result.
         if hasattr(model, "kv_cache_spec"):  # a model with its own cache layout (e.g. MLA's latent cache)
             spec = model.kv_cache_spec(BLOCK_SIZE, param.dtype)
-            self.kv = [t.fill_(float("nan")) for t in model.allocate_kv_cache(spec, num_blocks, self.device)]
+            caches = model.allocate_kv_cache(spec, num_blocks, self.device)
+            # One tensor per layer (MLA's latent), or a (k, v) pair (a tensor-parallel shard's own heads).
+            nan = float("nan")
+            self.kv = [tuple(t.fill_(nan) for t in c) if isinstance(c, tuple) else c.fill_(nan)
+                       for c in caches]
         else:
             self.kv = [tuple(torch.full(shape, float("nan"), dtype=param.dtype, device=self.device)
                              for _ in range(2)) for _ in range(cfg.num_hidden_layers)]

@@ -3,8 +3,9 @@
 `make_tiny_deepseek(variant, path)` writes a complete model directory: config.json, sharded safetensors with
 model.safetensors.index.json (as big checkpoints come), generation_config.json and the demo tokenizer. V3
 variants also carry a fake MTP layer (`model.layers.{num_hidden_layers}.*`) in its own shard, which the engine
-must load and ignore. `write_fused_experts_copy` rewrites a checkpoint with experts fused per layer
-(transformers' in-memory layout) instead of per-expert tensors.
+must load and ignore; `write_mtp_layer` gives one a complete MTP layer (random, or one that always agrees with
+the target) for speculative decoding. `write_fused_experts_copy` rewrites a checkpoint with experts fused per
+layer (transformers' in-memory layout) instead of per-expert tensors.
 """
 
 from __future__ import annotations
@@ -94,6 +95,70 @@ def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> None:
     index = json.loads(index_path.read_text(encoding="utf-8"))
     index["weight_map"].update({name: shard for name in tensors})
     index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _zero_outputs(tensors: dict[str, torch.Tensor]) -> None:
+    """Zero every attention and MLP output projection: each block then adds nothing to the residual."""
+    for name, t in tensors.items():
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            t.zero_()
+
+
+def write_mtp_layer(path: str | Path, seed: int = 0, agree: bool = False) -> Path:
+    """Give checkpoint `path` (a V3 variant) a complete MTP layer `model.layers.{L}.*` in DeepSeek's naming:
+    enorm, hnorm, eh_proj, a decoder block shaped like the last layer, shared_head.{norm,head}, embed_tokens
+    (the head and embedding are copies of the target's, as DeepSeek's checkpoints carry them). Replaces the
+    fake MTP shard. Random weights, or with `agree=True` a construction whose draft always agrees:
+
+    every block of the target and of the MTP layer gets zero output projections, so the target's final
+    hidden state is norm(embed(t)) and it predicts a fixed function of the current token (a bigram map);
+    the MTP layer takes only its embedding half (eh_proj = [I | 0], enorm weight 1) and shares the final
+    norm's weight and the LM head, so its logits are the target's for the token it is fed times a positive
+    factor (the two RMSNorms in a row): the same argmax. The LM head is scaled up so greedy picks are clear
+    and the draft is confident.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    prefix = f"model.layers.{layers}."
+    weight_map = {k: v for k, v in index["weight_map"].items() if not k.startswith(prefix)}
+    shards = {f: load_file(str(path / f)) for f in sorted(set(weight_map.values()))}
+    main = {k: t for tensors in shards.values() for k, t in tensors.items()}
+    if agree:
+        for tensors in shards.values():
+            _zero_outputs(tensors)
+            if "lm_head.weight" in tensors:
+                tensors["lm_head.weight"].mul_(20.0)
+        for f, tensors in shards.items():
+            save_file(tensors, str(path / f), metadata={"format": "pt"})
+    gen = torch.Generator().manual_seed(seed + 7)
+    last = f"model.layers.{layers - 1}."
+    mtp: dict[str, torch.Tensor] = {}
+    for name, t in main.items():
+        if name.startswith(last):
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            scale = 0.1 if name.endswith("e_score_correction_bias") else WEIGHT_STD
+            value = 1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise
+            mtp[prefix + name.removeprefix(last)] = value.to(t.dtype)
+    for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        mtp[prefix + k] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[prefix + "eh_proj.weight"] = WEIGHT_STD * torch.randn(hidden, 2 * hidden, generator=gen)
+    mtp[prefix + "shared_head.head.weight"] = main["lm_head.weight"].clone()
+    mtp[prefix + "embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+    if agree:
+        _zero_outputs(mtp)
+        mtp[prefix + "enorm.weight"] = torch.ones(hidden)
+        mtp[prefix + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        mtp[prefix + "shared_head.norm.weight"] = main["model.norm.weight"].clone()
+    shard = "model-mtp.safetensors"
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / shard), metadata={"format": "pt"})
+    index["weight_map"] = {**weight_map, **{k: shard for k in mtp}}
+    index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return path
 
 
 def make_tiny_deepseek(variant: str, path: str | Path, seed: int = 0) -> Path:

@@ -1,0 +1,136 @@
+"""DeepSeek-V4's MoE block: hash-routed (first layers) or top-k routed experts, clipped SwiGLU, shared expert.
+
+transformers' DeepseekV4SparseMoeBlock. Router scores are `scoring_func(x @ gate.weight^T)` (sqrtsoftplus
+by default). A `hash_moe` layer picks its experts by a frozen token-id table (`gate.tid2eid`, a checkpoint
+buffer); a `moe` layer by top-k over scores + `e_score_correction_bias`. Either way the chosen experts'
+unbiased scores, normalised to sum 1 and times `routed_scaling_factor`, weight their outputs. Every expert
+and the shared MLP clip their pre-activations: gate <= limit, -limit <= up <= limit.
+
+Expert weights are fused as transformers holds them (`experts.gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]).
+Chosen experts are sorted by id so a token's weighted sum runs in one fixed order (kernels/reference/moe.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepinfer.engine.layers.linear import Linear, empty_param
+from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.models.deepseek_v4_config import DeepseekV4Config
+from deepinfer.kernels.reference.moe import combine_experts, experts_ref
+from deepinfer.kernels.reference.pointwise import fixed_path
+from torch import nn
+
+
+def clipped_swiglu(x: torch.Tensor, limit: float, ops: Ops) -> torch.Tensor:
+    """x [M, 2I] = [gate | up] -> silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = x.chunk(2, dim=-1)
+    return ops.silu_and_mul(torch.cat([gate.clamp(max=limit), up.clamp(min=-limit, max=limit)], dim=-1))
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str, invariant: bool) -> torch.Tensor:
+    """Per-expert scores from router logits [T, E] (float32)."""
+
+    def fn(f, t):
+        return fixed_path(f, t) if invariant else f(t)
+
+    if scoring_func == "sqrtsoftplus":
+        return fn(torch.sqrt, fn(F.softplus, logits))
+    if scoring_func == "sigmoid":
+        return fn(torch.sigmoid, logits)
+    e = fn(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+class V4Router(nn.Module):
+    """`weight` [E, H]; `tid2eid` [vocab, K] int64 buffer (hash layers) or `e_score_correction_bias` [E]."""
+
+    def __init__(
+        self, cfg: DeepseekV4Config, is_hash: bool, ops: Ops, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.cfg, self.ops, self.is_hash = cfg, ops, is_hash
+        self.weight = empty_param(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype, device=device)
+        if is_hash:
+            self.register_buffer(
+                "tid2eid",
+                torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64, device=device),
+            )
+        else:
+            self.e_score_correction_bias = empty_param(
+                cfg.n_routed_experts, dtype=torch.float32, device=device
+            )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K] float32, expert ids [T, K] ascending)."""
+        cfg = self.cfg
+        logits = self.ops.linear(x, self.weight).to(torch.float32)
+        scores = router_scores(logits, cfg.scoring_func, self.ops.deterministic)
+        if self.is_hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(
+                scores + self.e_score_correction_bias, cfg.num_experts_per_tok, dim=-1, sorted=False
+            ).indices
+        ids = ids.sort(dim=-1).values
+        weights = scores.gather(1, ids)
+        total = weights[:, 0]
+        for k in range(1, weights.shape[1]):
+            total = total + weights[:, k]
+        weights = weights / (total.unsqueeze(-1) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class ClippedMLP(nn.Module):
+    """The shared expert: gate_proj / up_proj merged into `gate_up_proj`, then `down_proj`, clipped SwiGLU."""
+
+    def __init__(
+        self, hidden: int, inter: int, limit: float, ops: Ops, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.limit, self.ops = limit, ops
+        self.gate_up_proj = Linear(hidden, 2 * inter, False, ops, dtype, device)
+        self.down_proj = Linear(inter, hidden, False, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clipped_swiglu(self.gate_up_proj(x), self.limit, self.ops))
+
+
+class V4Experts(nn.Module):
+    def __init__(
+        self, cfg: DeepseekV4Config, ops: Ops, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.ops, self.limit = ops, cfg.swiglu_limit
+        e, inter, hidden = cfg.n_routed_experts, cfg.intermediate_size, cfg.hidden_size
+        self.gate_up_proj = empty_param(e, 2 * inter, hidden, dtype=dtype, device=device)
+        self.down_proj = empty_param(e, hidden, inter, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_ref(
+            x,
+            ids,
+            self.gate_up_proj,
+            self.down_proj,
+            linear=self.ops.linear,
+            act=lambda h: clipped_swiglu(h, self.limit, self.ops),
+        )
+
+
+class V4MoE(nn.Module):
+    """routed(x) + shared_experts(x); the shared expert is one clipped MLP of moe_intermediate_size."""
+
+    def __init__(
+        self, cfg: DeepseekV4Config, layer: int, ops: Ops, dtype: torch.dtype, device: torch.device | None
+    ) -> None:
+        super().__init__()
+        self.gate = V4Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe", ops, dtype, device)
+        self.experts = V4Experts(cfg, ops, dtype, device)
+        self.shared_experts = ClippedMLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, ops, dtype, device
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return combine_experts(self.experts(x, ids), weights) + self.shared_experts(x)

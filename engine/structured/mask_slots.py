@@ -1,0 +1,142 @@
+"""Per-request grammar-mask rows, filled ahead of the step on a worker thread.
+
+Why: with a 128k vocabulary a row's mask costs tens to hundreds of microseconds, a 256-request step tens of
+milliseconds, longer than a decode forward. Filling them only once the step's batch is known (at sampling)
+puts all of that between the forward and the sampling. Instead every constrained request owns a *slot*, a
+row of one pinned int32 buffer [capacity, ceil(V/32)], and the fill of its next mask is queued the moment
+its grammar has advanced on the token just sampled (manager.advance, called from the finish rules while the
+overlapped loop applies step N's tokens, with step N+1's forward already running on the device). Sampling
+then waits only for the rows still being filled, and applies the slots directly: the mask kernel reads
+logits row i's mask from bitmask row slot[i] (kernels/masking.py), so nothing is gathered on the host.
+
+One worker thread drains the queue: each time it runs it takes every row queued so far and fills them in
+one llguidance call (its Rust executor spreads the rows over its threads and holds no GIL meanwhile), so
+the worker needs the GIL once per batch, not per row, while the main thread is busy with Python.
+
+A slot is reused only after its fill has finished (release is deferred to the fill's completion), and the
+worker waits for the last host->device copy of the buffer (`copied`) before it writes into it again, so a
+copy still in flight on the device never reads a half-written row.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer.engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
+
+
+class MaskSlots:
+    """The slot buffer, its free list and the fill queue of one StructuredOutputManager."""
+
+    def __init__(self, backend: LLGuidanceBackend, initial: int = 64) -> None:
+        self.backend = backend
+        self._pin = torch.cuda.is_available()
+        self.buffer = self._alloc(initial)
+        self._free = list(range(initial - 1, -1, -1))
+        self._queue: list[tuple[int, LLGuidanceMatcher, Future]] = []
+        self._outstanding: set[Future] = set()
+        self._running = False
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-mask-fill")
+        self._copied: torch.cuda.Event | None = None
+        # Counters (read by StructuredOutputManager.mask_stats).
+        self.fill_seconds = 0.0     # worker time inside llguidance fills
+        self.filled_rows = 0
+        self.fill_batches = 0
+
+    def _alloc(self, rows: int) -> torch.Tensor:
+        return torch.full((rows, self.backend.words), -1, dtype=torch.int32, pin_memory=self._pin)
+
+    # ---- slots (main thread) ------------------------------------------------------------------------
+    def acquire(self) -> int:
+        """A free slot; the buffer doubles (after the fills in flight finish) when none is left."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        self.wait_idle()
+        with self._lock:
+            old = self.buffer
+            grown = self._alloc(2 * old.shape[0])
+            grown[: old.shape[0]].copy_(old)
+            self.buffer = grown
+            self._free.extend(range(grown.shape[0] - 1, old.shape[0], -1))
+            return old.shape[0]
+
+    def release(self, slot: int, fill: Future | None) -> None:
+        """Give `slot` back, once its fill (if any) has finished writing it."""
+        if slot < 0:
+            return
+        if fill is None or fill.done():
+            with self._lock:
+                self._free.append(slot)
+            return
+
+        def give_back(_: Future) -> None:
+            with self._lock:
+                self._free.append(slot)
+
+        fill.add_done_callback(give_back)
+
+    # ---- fills ----------------------------------------------------------------------------------------
+    def submit(self, slot: int, matcher: LLGuidanceMatcher) -> Future:
+        """Queue the fill of `slot` from `matcher`'s current state; the Future resolves when it is written."""
+        fut: Future = Future()
+        with self._lock:
+            self._queue.append((slot, matcher, fut))
+            self._outstanding.add(fut)
+            start = not self._running
+            self._running = True
+        if start:
+            self._pool.submit(self._drain)
+        return fut
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._running = False
+                    return
+            copied = self._copied
+            if copied is not None:
+                copied.synchronize()  # the device has finished reading the previous step's rows
+            t0 = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                self.backend.fill_bitmasks([(slot, m) for slot, m, _ in batch], self.buffer)
+            except BaseException as e:  # handed to the waiting sampler, never lost on this thread
+                error = e
+            self.fill_seconds += time.perf_counter() - t0
+            self.filled_rows += len(batch)
+            self.fill_batches += 1
+            with self._lock:
+                for _, _, fut in batch:
+                    self._outstanding.discard(fut)
+            for _, _, fut in batch:
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
+    def wait_idle(self) -> None:
+        """Wait until no fill is queued or running."""
+        while True:
+            with self._lock:
+                pending = list(self._outstanding)
+            if not pending:
+                return
+            for fut in pending:
+                fut.exception()
+
+    def copied(self, event: torch.cuda.Event | None) -> None:
+        """Record the device copy that reads the buffer; later fills wait for it before writing."""
+        self._copied = event
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

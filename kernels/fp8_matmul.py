@@ -1,0 +1,233 @@
+"""FP8 GEMMs with block scales: out = x @ dequant(weight)^T, x quantized per token and K-group on the fly.
+
+`quantize_act` (a small Triton kernel) turns x [M, K] into e4m3 plus one float32 scale per token and K-group
+of GROUP columns; `fp8_linear` multiplies it with an e4m3 weight [N, K] holding row scales [N, K/GROUP]
+(the engine's layout, models/quant/fp8_tensor.py): each K step of BLOCK_K = GROUP is one fp8 `tl.dot` with
+fp32 result, scaled by (activation scale of the row) x (weight scale of the column) and added to an fp32
+accumulator. `fp8_grouped_linear` is the same per expert over expert-sorted rows (MoE).
+
+Batch invariance (`invariant=True`, deterministic mode): the quantization is row-local, and the GEMM's tile
+config is a function of (N, K, GROUP) only, K is walked in increasing order with no split-K, rows past M
+read row 0 and are never stored; so a row's bits do not depend on M or on the other rows. `M` is not
+specialised on, so one binary serves every M. The fast mode picks the tile height from M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
+
+__all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_tile_config"]
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 values within +-448 rounded to nearest-even on the e4m3 grid (still fp32), so the cast that
+    follows is exact. Done by hand because Triton's CPU interpreter rounds fp32 -> fp8 without carrying into
+    the exponent; on the GPU this equals cvt.rn (rtne)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; the add carries.
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+    # Subnormal e4m3: multiples of 2^-9; x + 1.5 * 2^23 - 1.5 * 2^23 rounds x to an integer, ties to even.
+    a = mag.to(tl.float32, bitcast=True)
+    sub = (((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125).to(tl.uint32, bitcast=True)
+    # The sign goes back on last, so -0.0 and tiny negatives keep it as torch's cast does.
+    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    mask = offs < K
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), EPS) / QMAX
+    q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -QMAX), QMAX))
+    tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=mask)
+    tl.store(s_ptr + m * stride_sm + g, scale)
+
+
+def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]); bitwise `quantize_act_ref`."""
+    check_tensor("x", x, ndim=2)
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m and k:
+        _act_quant_kernel[(m, groups)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+                                       GROUP=group, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=1)
+    return q, s
+
+
+def fp8_tile_config(m: int | None, n: int, k: int, group: int) -> dict[str, int]:
+    """Tile config: from (N, K, GROUP) only when `m` is None (invariant), else also from M (fast)."""
+    del n, k  # kept in the signature so an (N, K)-dependent policy stays M-free
+    if m is not None and m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 4,
+                "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _scaled_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ak, stride_bk,
+                   BLOCK_K: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - ki * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a_s = tl.load(as_ptrs + ki)
+        b_s = tl.load(bs_ptrs + ki)
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
+                     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (pid // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % tiles_per_group) % group_rows
+    pid_n = (pid % tiles_per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)   # rows past M read row 0, never stored
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _scaled_k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                         b_ptr + cols[None, :] * stride_bn + offs_k[:, None],
+                         as_ptr + rows * stride_asm, bs_ptr + cols * stride_bsn, K, 1, 1, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor, k: int, group: int, lead: tuple[int, ...],
+                  device: torch.device) -> None:
+    check_tensor("weight", weight, ndim=len(lead) + 2, dtypes=(FP8_DTYPE,), device=device)
+    check_tensor("weight_scale", scale, ndim=len(lead) + 2, dtypes=(torch.float32,), device=device)
+    if weight.shape[-1] != k:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k}")
+    want = (*weight.shape[:-1], triton.cdiv(k, group))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"weight_scale: shape {tuple(scale.shape)}, expected {want} (row scales per "
+                         f"K-group of {group})")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"group={group}: must be a power of two >= 16")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, *, group: int = 128, invariant: bool = True,
+               config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(weight [N, K], weight_scale [N, K/group])^T (+ bias [N]) -> [M, N] in x's dtype.
+
+    `invariant`: the batch-invariant tile config (deterministic mode); `config` overrides it (benchmarks).
+    """
+    check_tensor("x", x, ndim=2)
+    m, k = x.shape
+    _check_weight(weight, weight_scale, k, group, (), x.device)
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    xq, xs = quantize_act(x, group)
+    cfg = config or fp8_tile_config(None if invariant else m, n, k, group)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](
+        xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
+        xq.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group,
+        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@triton.jit
+def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile_expert_ptr, tile_start_ptr,
+                        tile_end_ptr, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse,
+                        stride_bsn, stride_om, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < NUM_EXPERTS:
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.where(offs_m < end, offs_m, start).to(tl.int64)  # the tile's own first row: never stored
+        cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        e = expert.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _scaled_k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                             b_ptr + e * stride_be + cols[None, :] * stride_bn + offs_k[:, None],
+                             as_ptr + rows * stride_asm, bs_ptr + e * stride_bse + cols * stride_bsn,
+                             K, 1, 1, BLOCK_K)
+        mask = (offs_m[:, None] < end) & (offs_n[None, :] < N)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per M-tile (expert, first row, end row), built on the device (no host sync, graph-capturable).
+    Sized for the worst case cdiv(T, BLOCK_M) + E tiles; unused tiles carry expert E and do nothing."""
+    offs = expert_offsets.to(torch.int64)
+    num_experts = offs.shape[0] - 1
+    tiles = (offs[1:] - offs[:-1] + block_m - 1) // block_m
+    cum = torch.cumsum(tiles, 0)
+    idx = torch.arange(triton.cdiv(num_tokens, block_m) + num_experts, device=offs.device)
+    expert = torch.searchsorted(cum, idx, right=True)
+    e = expert.clamp(max=num_experts - 1)
+    start = offs[e] + (idx - (cum - tiles)[e]) * block_m
+    return expert.to(torch.int32), start, offs[e + 1]
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       expert_offsets: torch.Tensor, *, group: int = 128, invariant: bool = True
+                       ) -> torch.Tensor:
+    """Expert-sorted x [T, K] (rows expert_offsets[e]:expert_offsets[e+1] belong to expert e) through
+    weight [E, N, K] with row scales [E, N, K/group] -> [T, N]. A row's bits depend only on the row and
+    its expert (tiles start at each expert segment), so with `invariant` it is batch-invariant."""
+    check_tensor("x", x, ndim=2)
+    t, k = x.shape
+    _check_weight(weight, weight_scale, k, group, (weight.shape[0],), x.device)
+    num_experts, n = weight.shape[0], weight.shape[1]
+    if expert_offsets.shape != (num_experts + 1,):
+        raise ValueError(f"expert_offsets: shape {tuple(expert_offsets.shape)}, expected "
+                         f"({num_experts + 1},)")
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    xq, xs = quantize_act(x, group)
+    cfg = fp8_tile_config(None if invariant else t, n, k, group)
+    tile_expert, tile_start, tile_end = _tile_map(expert_offsets, t, cfg["BLOCK_M"])
+    grid = (tile_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    _fp8_grouped_kernel[grid](
+        xq, xs, weight, weight_scale, out, tile_expert, tile_start, tile_end, n, k,
+        xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0),
+        weight_scale.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,342 @@
+"""MLA attention in the absorbed form over the paged latent cache (Triton), split-KV, batch-invariant.
+
+Input per new token and head: q_abs = [W_UK^T q_nope ; q_pe] (kv_lora_rank R + qk_rope_head_dim P values).
+The cache [num_blocks, block_size, R + P] holds per position the latent c and the rope key k_pe, so every
+head attends one shared key [c ; k_pe] and one shared value c (MQA of width R + P): score = q_abs . entry,
+out_lat = softmax(scores) @ c. The caller applies W_UV afterwards (see `head_proj`).
+
+Tiling: a program covers one (sequence, query block) of the plan, GROUP heads of it and one KV split; its
+BLOCK_M rows are (token, head) pairs (row = token * GROUP + head), so a decode token's heads fill the tile.
+Keys are read through the block table in tiles of BLOCK_N absolute positions from position 0, and each
+tile is loaded once and used as key (latent + rope part) and value (latent part).
+
+Split-KV, batch-invariant: a row at position p has n_tiles = p // BLOCK_N + 1 tiles, split into
+n_splits(p) consecutive ranges of tiles_per_split(p) = max(min_tiles, ceil(n_tiles / max_splits)) tiles —
+a function of the row's own position and the `SplitPolicy` only. Split s reduces its tiles in increasing
+order with an fp32 online softmax; a row with several splits leaves (acc, max, sum) per split in a scratch
+buffer and `_mla_combine_kernel` merges them in increasing split order. Because a row takes the same tiles,
+the same split boundaries and the same merge order whether it is decoded alone, decoded in a batch, or
+computed as part of a prefill chunk, its bits never depend on scheduling — provided the policy is fixed
+(deterministic mode uses `DETERMINISTIC_SPLITS` always). Tiles a program processes for its other rows
+leave a row's state unchanged exactly (as in paged_attention: alpha is exactly 1 when the max does not
+move, p = exp2(-inf) = 0, P @ V adds exact zeros), and positions beyond the program's last query position
+are masked at load time, so unwritten slots (NaN bits) never enter the arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from deepinfer.kernels._checks import check_tensor, is_power_of_two
+from deepinfer.kernels.mla_proj import head_proj
+from deepinfer.kernels.reference.mla_decode import check_mla_decode_args, split_counts
+
+if TYPE_CHECKING:
+    from deepinfer.kernels.metadata import AttentionMetadata
+
+__all__ = ["SplitPolicy", "DETERMINISTIC_SPLITS", "NO_SPLIT", "mla_tile_config", "mla_decode",
+           "head_proj", "fast_split_policy"]
+
+_LOG2E = 1.4426950408889634
+_PLAN_ATTR = "_mla_decode_plans"
+# Scratch (fp32 partial outputs of multi-split rows) of one launch group: the plan is cut into groups of
+# query blocks whose partials fit, so a long prefill never needs tokens x splits x heads x R floats at once.
+SCRATCH_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How a row's KV tiles are split: at most `max_splits` splits of at least `min_tiles` tiles each."""
+
+    min_tiles: int
+    max_splits: int
+
+    def __post_init__(self) -> None:
+        if self.min_tiles < 1 or self.max_splits < 1:
+            raise ValueError(f"SplitPolicy({self.min_tiles}, {self.max_splits}): min_tiles and max_splits "
+                             "must be >= 1")
+
+
+# Deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up to 4.
+DETERMINISTIC_SPLITS = SplitPolicy(min_tiles=16, max_splits=4)
+NO_SPLIT = SplitPolicy(min_tiles=1 << 30, max_splits=1)
+
+
+def mla_tile_config(num_heads: int, rank: int, rope_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile config: a function of the model shape only (never of the batch)."""
+    group = min(num_heads, 16)
+    block_m = 16
+    return {"GROUP": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m,
+            "BLOCK_N": 16 if dtype == torch.float32 else 32,
+            "BLOCK_P": max(16, triton.next_power_of_2(rope_dim)), "BLOCK_H": 16,
+            "num_warps": 4, "num_stages": 2}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fast_split_policy(meta: AttentionMetadata, num_heads: int, device: torch.device) -> SplitPolicy:
+    """Fast (not batch-invariant) mode: split decode steps whose programs would not fill the GPU."""
+    if meta.max_query_len != 1 or device.type != "cuda":
+        return NO_SPLIT
+    programs = meta.num_seqs * triton.cdiv(num_heads, 16)
+    sms = _num_sms(device.index if device.index is not None else 0)
+    if programs >= sms:
+        return NO_SPLIT
+    return SplitPolicy(min_tiles=4, max_splits=min(16, triton.cdiv(2 * sms, programs)))
+
+
+@triton.jit(do_not_specialize=["stride_bt", "slot_base", "num_heads"])
+def _mla_split_kernel(
+    q_ptr, cache_ptr, out_ptr, part_ptr, ml_ptr,
+    plan_ptr, qsl_ptr, pos_ptr, bt_ptr, soff_ptr,
+    qk_scale, slot_base, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(plan_ptr + 2 * pid)
+    q_block = tl.load(plan_ptr + 2 * pid + 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    head = head_block * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_start + tok < q_end) & (head < num_heads)
+    t = (q_start + tok).to(tl.int64)
+    q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
+    # The row's split layout, from its own position only (kept in step with reference.split_counts).
+    n_tiles = q_pos // BLOCK_N + 1
+    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
+    n_splits = (n_tiles + per_split - 1) // per_split
+    active = row_ok & (split < n_splits)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_tiles)
+    tile_lo = tl.min(tl.where(active, lo, 1 << 30), axis=0)
+    tile_hi = tl.max(tl.where(active, hi, 0), axis=0)
+    last_pos = tl.max(tl.where(active, q_pos, 0), axis=0)
+
+    r = tl.arange(0, RANK)
+    pe = tl.arange(0, BLOCK_P)
+    pe_ok = pe < ROPE
+    q_row = q_ptr + t[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=active[:, None], other=0.0)
+    q_pe = tl.load(q_row + RANK + pe[None, :], mask=active[:, None] & pe_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for j in range(tile_lo, tile_hi):
+        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos <= last_pos
+        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        entry = cache_ptr + block * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        lat = tl.load(entry[:, None] + r[None, :], mask=kv_ok[:, None], other=0.0)
+        kpe = tl.load(entry[:, None] + RANK + pe[None, :], mask=kv_ok[:, None] & pe_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(kpe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(lat))
+            s = tl.dot(q_pe, tl.trans(kpe), s)
+        mine = active & (j >= lo) & (j < hi)
+        ok = mine[:, None] & (kv_pos[None, :] <= q_pos[:, None])
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # An unchanged max rescales by exactly 1, so tiles masked for a row leave its state bit-identical;
+        # a row with no key yet (max still -inf) subtracts 0, giving p = 0 instead of NaN.
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(lat.dtype), lat, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(lat.dtype), lat, acc)
+        m_i = m_new
+    single = active & (n_splits == 1)
+    out = acc / tl.where(single, l_i, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + r[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=single[:, None])
+    multi = active & (n_splits > 1)
+    slot = tl.load(soff_ptr + t, mask=multi, other=0) - slot_base + split
+    part = slot * num_heads + head
+    tl.store(part_ptr + part[:, None] * RANK + r[None, :], acc, mask=multi[:, None])
+    tl.store(ml_ptr + 2 * part, m_i, mask=multi)
+    tl.store(ml_ptr + 2 * part + 1, l_i, mask=multi)
+
+
+@triton.jit(do_not_specialize=["slot_base", "num_heads"])
+def _mla_combine_kernel(
+    out_ptr, part_ptr, ml_ptr, tok_ptr, pos_ptr, soff_ptr,
+    slot_base, num_heads, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    t = tl.load(tok_ptr + tl.program_id(0)).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    q_pos = tl.load(pos_ptr + t).to(tl.int32)
+    n_tiles = q_pos // BLOCK_N + 1
+    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
+    n_splits = (n_tiles + per_split - 1) // per_split
+    base = tl.load(soff_ptr + t) - slot_base
+    r = tl.arange(0, RANK)
+    m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
+    o_run = tl.zeros([BLOCK_H, RANK], dtype=tl.float32)
+    for s in range(0, n_splits):   # increasing split order: the one merge order of this row
+        part = (base + s) * num_heads + heads
+        m_s = tl.load(ml_ptr + 2 * part, mask=h_ok, other=0.0)
+        l_s = tl.load(ml_ptr + 2 * part + 1, mask=h_ok, other=1.0)
+        a_s = tl.load(part_ptr + part[:, None] * RANK + r[None, :], mask=h_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        alpha = tl.exp2(m_run - m_new)      # 0 for the first split (m_run = -inf); every m_s is finite
+        beta = tl.exp2(m_s - m_new)
+        l_run = l_run * alpha + l_s * beta
+        o_run = o_run * alpha[:, None] + a_s * beta[:, None]
+        m_run = m_new
+    tl.store(out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + r[None, :],
+             (o_run / l_run[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@dataclass
+class _Group:
+    entry_lo: int           # plan entries [entry_lo, entry_hi) launched together
+    entry_hi: int
+    max_splits: int         # most splits of any row of the group (grid axis 2)
+    slot_base: int          # first scratch slot of the group (global slot numbering)
+    num_slots: int
+    tok_lo: int             # the group's multi-split tokens: split_tokens[tok_lo:tok_hi]
+    tok_hi: int
+
+
+@dataclass
+class _Plan:
+    plan: torch.Tensor          # int32 [2 * entries]: (sequence, query block), in token order
+    soff: torch.Tensor          # int64 [T]: first scratch slot of each multi-split token (-1 otherwise)
+    split_tokens: torch.Tensor  # int32 [n]: the multi-split tokens, ascending
+    groups: list[_Group]
+    max_group_slots: int
+
+
+def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int, block_n: int, policy: SplitPolicy,
+                slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Group]]:
+    """Host plan (vectorised): entries in token order, each multi-split token's scratch slots, groups."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    num_tokens = int(q.sum())
+    starts = np.concatenate([[0], np.cumsum(q)])
+    seq_of = np.repeat(np.arange(len(q)), q)
+    positions = np.arange(num_tokens) - starts[seq_of] + (s - q)[seq_of]
+    counts = split_counts(positions, block_n, policy.min_tiles, policy.max_splits)
+    soff = np.concatenate([[0], np.cumsum(np.where(counts > 1, counts, 0))])
+    blocks = -(-q // block_q)
+    entry_seq = np.repeat(np.arange(len(q)), blocks)
+    entry_qb = np.arange(int(blocks.sum())) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    first = starts[entry_seq] + entry_qb * block_q                     # first token of each entry
+    bounds = np.append(first, num_tokens)                              # entry e: [bounds[e], bounds[e+1])
+    slot_at = soff[bounds]                                             # scratch slots used before entry e
+    budget = max(1, SCRATCH_BUDGET_BYTES // slot_bytes)
+    multi = np.nonzero(counts > 1)[0]
+    groups: list[_Group] = []
+    lo, num_entries = 0, len(first)
+    while lo < num_entries:
+        # the most entries from lo whose slots fit the budget (at least one)
+        hi = max(lo + 1, int(np.searchsorted(slot_at, slot_at[lo] + budget, side="right")) - 1)
+        hi = min(hi, num_entries)
+        a, b = int(bounds[lo]), int(bounds[hi])
+        groups.append(_Group(lo, hi, int(counts[a:b].max()), int(slot_at[lo]), int(slot_at[hi] - slot_at[lo]),
+                             int(np.searchsorted(multi, a)), int(np.searchsorted(multi, b))))
+        lo = hi
+    plan = np.stack([entry_seq, entry_qb], axis=1).reshape(-1)
+    return plan, np.where(counts > 1, soff[:-1], -1), multi, groups
+
+
+def _get_plan(meta: AttentionMetadata, cfg: dict[str, int], policy: SplitPolicy, slot_bytes: int,
+              device: torch.device) -> _Plan:
+    """The step's plan, cached on `meta` while its host lengths are unchanged (one build per step)."""
+    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
+    key = (cfg["BLOCK_Q"], cfg["BLOCK_N"], policy, slot_bytes, str(device))
+    cache = getattr(meta, _PLAN_ATTR, None)
+    if cache is not None and key in cache and cache[key][0] == lens:
+        return cache[key][1]
+    plan, soff, multi, groups = _build_plan(lens[0], lens[1], cfg["BLOCK_Q"], cfg["BLOCK_N"], policy,
+                                            slot_bytes)
+    built = _Plan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
+                  torch.from_numpy(multi.astype(np.int32)).to(device), groups,
+                  max((g.num_slots for g in groups), default=0))
+    try:
+        if cache is None:
+            cache = {}
+            setattr(meta, _PLAN_ATTR, cache)
+        cache[key] = (lens, built)
+    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
+        pass
+    return built
+
+
+def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int,
+               policy: SplitPolicy = DETERMINISTIC_SPLITS) -> torch.Tensor:
+    """Absorbed MLA: q_abs [T, H, R + P] over the latent cache [blocks, block_size, R + P] -> [T, H, R].
+
+    Causal: the token at position p of sequence b attends to positions [0, p] of b through
+    meta.block_tables[b] (this step's entries must already be in the cache). Any mix of prefill and decode
+    rows. `policy` fixes the split-KV layout; keep it constant (DETERMINISTIC_SPLITS) for batch
+    invariance. Output in q_abs's dtype, fp32 accumulation.
+    """
+    check_mla_decode_args(q_abs, cache, meta, rank)
+    num_tokens, num_heads, width = q_abs.shape
+    rope = width - rank
+    if not is_power_of_two(rank) or rank < 16:
+        raise ValueError(f"rank={rank}: kv_lora_rank must be a power of two >= 16 for the Triton kernel")
+    if rope > 256:
+        raise ValueError(f"qk_rope_head_dim={rope}: at most 256 supported")
+    check_tensor("cache", cache, ndim=3, device=q_abs.device)
+    if cache.stride(2) != 1:
+        raise ValueError("cache: entries must be contiguous (stride 1 along the last dim)")
+    out = torch.empty((num_tokens, num_heads, rank), dtype=q_abs.dtype, device=q_abs.device)
+    if num_tokens == 0:
+        return out
+    cfg = mla_tile_config(num_heads, rank, rope, q_abs.dtype)
+    slot_bytes = num_heads * (rank + 2) * 4
+    plan = _get_plan(meta, cfg, policy, slot_bytes, q_abs.device)
+    part = torch.empty((max(1, plan.max_group_slots) * num_heads, rank), dtype=torch.float32,
+                       device=q_abs.device)
+    ml = torch.empty((max(1, plan.max_group_slots) * num_heads, 2), dtype=torch.float32, device=q_abs.device)
+    head_blocks = triton.cdiv(num_heads, cfg["GROUP"])
+    bt = meta.block_tables
+    for g in plan.groups:
+        _mla_split_kernel[(g.entry_hi - g.entry_lo, head_blocks, g.max_splits)](
+            q_abs, cache, out, part, ml,
+            plan.plan[2 * g.entry_lo:], meta.query_start_loc, meta.positions, bt, plan.soff,
+            float(scale) * _LOG2E, g.slot_base, num_heads,
+            q_abs.stride(0), q_abs.stride(1), out.stride(0), out.stride(1),
+            cache.stride(0), cache.stride(1), bt.stride(0),
+            GROUP=cfg["GROUP"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            RANK=rank, ROPE=rope, BLOCK_P=cfg["BLOCK_P"], BLOCK_SIZE=cache.shape[1],
+            MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, IEEE=q_abs.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        if g.tok_hi > g.tok_lo:
+            _mla_combine_kernel[(g.tok_hi - g.tok_lo, triton.cdiv(num_heads, cfg["BLOCK_H"]))](
+                out, part, ml, plan.split_tokens[g.tok_lo:], meta.positions, plan.soff,
+                g.slot_base, num_heads, out.stride(0), out.stride(1),
+                BLOCK_H=cfg["BLOCK_H"], RANK=rank, BLOCK_N=cfg["BLOCK_N"],
+                MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, num_warps=4,
+            )
+    return out

@@ -1,0 +1,62 @@
+"""GPU: the fused MoE kernels at a DeepSeek-V2-Lite expert shape against the float32 reference, and a
+token's output bitwise identical whatever other tokens share the call (and its experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.kernels.reference.fused_moe import fused_moe_ref
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+EXPERTS, TOP_K, HIDDEN, INTER = 64, 6, 2048, 1408
+
+
+@pytest.fixture(scope="module")
+def weights():
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5).bfloat16().to(CUDA)
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER ** 0.5).bfloat16().to(CUDA)
+    return gate_up, down
+
+
+def _tokens(n, seed, skew=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, HIDDEN, generator=gen).bfloat16().to(CUDA)
+    scores = torch.rand(n, EXPERTS, generator=gen)
+    if skew:                                        # most tokens on a few experts: multi-block runs
+        scores[:, :3] += 1.0
+    ids = scores.topk(TOP_K, dim=-1).indices.sort(dim=-1).values.to(CUDA)
+    w = (torch.rand(n, TOP_K, generator=gen) + 0.1).to(CUDA)
+    return x, ids, w
+
+
+@pytest.mark.parametrize("n,skew", [(1, False), (37, False), (300, True)])
+def test_fused_moe_matches_reference(weights, n, skew):
+    from deepinfer.kernels.fused_moe import fused_moe
+
+    x, ids, w = _tokens(n, seed=n, skew=skew)
+    ref = fused_moe_ref(x, ids, w, *weights)
+    for invariant in (True, False):          # fast mode takes 16-row blocks for n = 1 and 37
+        got = fused_moe(x, ids, w, *weights, invariant=invariant)
+        # bf16 intermediate h (rounded before the down GEMM) and output: a few bf16 ulps of outputs ~O(1).
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_fused_moe_token_bits_do_not_depend_on_other_tokens(weights):
+    from deepinfer.kernels.fused_moe import fused_moe
+
+    x, ids, w = _tokens(400, seed=7, skew=True)
+    full = fused_moe(x, ids, w, *weights)
+    gen = torch.Generator().manual_seed(1)
+    for size in (1, 7, 33, 129):
+        for _ in range(3):
+            pick = torch.randperm(400, generator=gen)[:size].to(CUDA)
+            part = fused_moe(x[pick], ids[pick], w[pick], *weights)
+            assert torch.equal(part, full[pick]), f"batch of {size}"
+    # the same token beside tokens that all chose its experts (its rows move within the blocks)
+    crowd_ids = ids[:1].expand(90, -1).contiguous()
+    crowd_x = torch.cat([x[:1], torch.randn(89, HIDDEN, device=CUDA).bfloat16()])
+    crowd = fused_moe(crowd_x, crowd_ids, w[:1].expand(90, -1).contiguous(), *weights)
+    assert torch.equal(crowd[0], full[0])
