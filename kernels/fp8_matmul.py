@@ -49,7 +49,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     mask = offs < K
     x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), EPS) / QMAX
-    q = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -QMAX), QMAX))
+    # IEEE division (div.rn): Triton's `/` on fp32 is the approximate div.full on the GPU, whose last-ulp
+    # error moves a quotient next to an e4m3 rounding boundary to the other side of it.
+    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX))
     tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     tl.store(s_ptr + m * stride_sm + g, scale)

@@ -11,12 +11,11 @@ import random
 import pytest
 import torch
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.layers.backends import make_ops
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.deepseek_config import DeepseekConfig
 from deepinfer.engine.models.loader import iter_weights
-from deepinfer.engine.models.registry import build_model
 
+from tests.support.hf_parity import cpu_engine_model, hf_step_logits, random_prompts
 from tests.support.paged_runner import PagedBatchRunner
 from tests.support.tiny_deepseek import VARIANTS, make_tiny_deepseek, write_fused_experts_copy
 
@@ -67,33 +66,6 @@ def hf(ckpt):
     return model
 
 
-def _prompts(n: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(10, vocab) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(10, vocab) for _ in range(rng.randint(3, 60))] for _ in range(n)]
-
-
-def _engine_model(path, deterministic: bool = True):
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, make_ops("cpu", deterministic), torch.float32, "cpu")
-    model.load_weights(iter_weights(path, "cpu"))
-    return cfg, model
-
-
-def _hf_step_logits(model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Prefill logits [n, V], then each greedy decode step's [1, V] through transformers' own cache."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
-        tokens = []
-        for _ in range(steps):
-            tokens.append(int(logits[-1][-1].argmax()))
-            logits.append(model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0])
-    return logits, tokens
-
-
 def test_config_reads_mla_moe_yarn_and_mtp_fields(ckpt):
     cfg = ModelConfig.from_dir(ckpt("v3"))
     assert isinstance(cfg, DeepseekConfig)
@@ -140,11 +112,11 @@ CASES = [(v, True) for v in VARIANTS] + [("v3", False)]
 @pytest.mark.parametrize("variant, deterministic", CASES)
 def test_prefill_chunks_and_decode_logits_match_hf(variant, deterministic, ckpt, hf):
     """Two sequences, one prefilled in two chunks, then batched decode steps: every row within 1e-4."""
-    cfg, model = _engine_model(ckpt(variant), deterministic)
-    a, b = _prompts(2, cfg.vocab_size, seed=3)
+    cfg, model = cpu_engine_model(ckpt(variant), deterministic)
+    a, b = random_prompts(2, cfg.vocab_size, seed=3)
     a = (a * 3)[:37]
-    ref_a, toks_a = _hf_step_logits(hf(variant), a, 6)
-    ref_b, toks_b = _hf_step_logits(hf(variant), b, 6)
+    ref_a, toks_a = hf_step_logits(hf(variant), a, 6)
+    ref_b, toks_b = hf_step_logits(hf(variant), b, 6)
     runner = PagedBatchRunner(model, cfg)
     runner.add("a", a)
     runner.add("b", b)
@@ -162,14 +134,14 @@ def test_prefill_chunks_and_decode_logits_match_hf(variant, deterministic, ckpt,
 
 def test_fused_expert_checkpoint_loads_the_same_weights(ckpt, tmp_path):
     fused = write_fused_experts_copy(ckpt("v3"), tmp_path / "fused")
-    _, per_expert = _engine_model(ckpt("v3"))
-    _, fused_model = _engine_model(fused)
+    _, per_expert = cpu_engine_model(ckpt("v3"))
+    _, fused_model = cpu_engine_model(fused)
     for (name, p), (_, q) in zip(per_expert.named_parameters(), fused_model.named_parameters()):
         assert torch.equal(p, q), name
 
 
 def test_loader_refuses_what_it_cannot_place(ckpt):
-    cfg, model = _engine_model(ckpt("v3"))
+    cfg, model = cpu_engine_model(ckpt("v3"))
     good = list(iter_weights(ckpt("v3"), "cpu"))
     stray = f"model.layers.{cfg.num_hidden_layers + 1}.enorm.weight"   # past the one MTP layer
     with pytest.raises(ValueError, match="no matching parameter"):
@@ -183,7 +155,7 @@ def test_loader_refuses_what_it_cannot_place(ckpt):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_single_request_greedy_matches_hf_generate(variant, ckpt, hf):
     llm = LLM(model=str(ckpt(variant)), device="cpu", dtype="float32", num_kv_blocks=64)
-    prompt = _prompts(1, llm.model_config.vocab_size, seed=1)[0]
+    prompt = random_prompts(1, llm.model_config.vocab_size, seed=1)[0]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == hf.greedy(variant, prompt)
 
@@ -202,7 +174,7 @@ MIXED = [("v3", s, 30) for s in SETTINGS] + [("v2", "preemption", 10)]
 @pytest.mark.parametrize("variant, setting, count", MIXED)
 def test_thirty_mixed_requests_match_hf(variant, setting, count, ckpt, hf):
     llm = LLM(model=str(ckpt(variant)), device="cpu", dtype="float32", **SETTINGS[setting])
-    prompts = _prompts(count, llm.model_config.vocab_size, seed=2, shared_prefix=20)
+    prompts = random_prompts(count, llm.model_config.vocab_size, seed=2, shared_prefix=20)
     if setting == "prefix_cache":  # one earlier request leaves the shared prefix's first block cached
         llm.generate([prompts[0][:17]], SamplingParams(max_tokens=1), use_tqdm=False)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -219,7 +191,7 @@ def test_moe_model_is_batch_invariant(ckpt):
     path = str(ckpt("v3"))
     rng = random.Random(5)
     alone = LLM(model=path, device="cpu", dtype="float32", num_kv_blocks=128)
-    prompts = _prompts(12, alone.model_config.vocab_size, seed=4, shared_prefix=18)
+    prompts = random_prompts(12, alone.model_config.vocab_size, seed=4, shared_prefix=18)
     params = [SamplingParams(temperature=0.9, top_p=rng.choice([1.0, 0.8]), seed=100 + i, max_tokens=12,
                              ignore_eos=True, logprobs=2) for i in range(len(prompts))]
     ref = {i: alone.generate([prompts[i]], params[i], use_tqdm=False)[0] for i in (0, 5, 11)}

@@ -7,8 +7,6 @@ close many compressed windows. Skipped when the installed transformers has no De
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from deepinfer.engine import LLM, SamplingParams
@@ -18,6 +16,7 @@ from deepinfer.engine.models.deepseek_v4_config import CSA, HCA, SLIDING, Deepse
 from deepinfer.engine.models.loader import iter_weights
 from deepinfer.engine.models.registry import build_model
 
+from tests.support.hf_parity import cpu_engine_model, hf_step_logits, random_prompts
 from tests.support.paged_runner import PagedBatchRunner
 from tests.support.tiny_deepseek_v4 import WINDOW, hf_v4_available, load_hf_v4, make_tiny_deepseek_v4
 
@@ -55,35 +54,6 @@ def hf(ckpt):
 
     model.greedy = greedy
     return model
-
-
-def _prompts(
-    n: int, vocab: int, seed: int, shared_prefix: int = 0, lo: int = 3, hi: int = 60
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(10, vocab) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _engine_model(path, deterministic: bool = True):
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, make_ops("cpu", deterministic), torch.float32, "cpu")
-    model.load_weights(iter_weights(path, "cpu"))
-    return cfg, model
-
-
-def _hf_step_logits(model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Prefill logits [n, V], then each greedy decode step's [1, V] through transformers' own cache."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        logits = [model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]]
-        tokens = []
-        for _ in range(steps):
-            tokens.append(int(logits[-1][-1].argmax()))
-            logits.append(model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0])
-    return logits, tokens
 
 
 def test_config_reads_layer_types_rates_ropes_and_mtp(ckpt):
@@ -134,10 +104,10 @@ def test_compress_yarn_matches_transformers(hf):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_prefill_chunks_and_decode_logits_match_hf(deterministic, ckpt, hf):
     """Two sequences (one prefilled in three chunks), then batched decode steps: every row within 1e-4."""
-    cfg, model = _engine_model(ckpt, deterministic)
-    a, b = _prompts(2, cfg.vocab_size, seed=3, lo=30, hi=50)
-    ref_a, toks_a = _hf_step_logits(hf, a, 10)
-    ref_b, toks_b = _hf_step_logits(hf, b, 10)
+    cfg, model = cpu_engine_model(ckpt, deterministic)
+    a, b = random_prompts(2, cfg.vocab_size, seed=3, lo=30, hi=50)
+    ref_a, toks_a = hf_step_logits(hf, a, 10)
+    ref_b, toks_b = hf_step_logits(hf, b, 10)
     runner = PagedBatchRunner(model, cfg)
     runner.add("a", a)
     runner.add("b", b)
@@ -156,7 +126,7 @@ def test_prefill_chunks_and_decode_logits_match_hf(deterministic, ckpt, hf):
 
 def test_single_request_greedy_matches_hf_generate(ckpt, hf):
     llm = LLM(model=str(ckpt), device="cpu", dtype="float32", num_kv_blocks=64)
-    prompt = _prompts(1, llm.model_config.vocab_size, seed=1, lo=45, hi=45)[0]
+    prompt = random_prompts(1, llm.model_config.vocab_size, seed=1, lo=45, hi=45)[0]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == hf.greedy(prompt)
 
@@ -171,7 +141,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_thirty_mixed_requests_match_hf(setting, ckpt, hf):
     llm = LLM(model=str(ckpt), device="cpu", dtype="float32", **SETTINGS[setting])
-    prompts = _prompts(30, llm.model_config.vocab_size, seed=2, shared_prefix=20)
+    prompts = random_prompts(30, llm.model_config.vocab_size, seed=2, shared_prefix=20)
     if setting == "prefix_cache":  # one earlier request leaves the shared prefix's first block cached
         llm.generate([prompts[0][:17]], SamplingParams(max_tokens=1), use_tqdm=False)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -187,7 +157,7 @@ def test_batch_invariant_in_deterministic_mode(ckpt):
     """Sampled requests alone and inside batches scheduled three ways: bitwise equal tokens and logprobs."""
     path = str(ckpt)
     alone = LLM(model=path, device="cpu", dtype="float32", num_kv_blocks=128)
-    prompts = _prompts(8, alone.model_config.vocab_size, seed=4, shared_prefix=18, lo=10, hi=40)
+    prompts = random_prompts(8, alone.model_config.vocab_size, seed=4, shared_prefix=18, lo=10, hi=40)
     params = [
         SamplingParams(temperature=0.9, seed=100 + i, max_tokens=8, ignore_eos=True, logprobs=2)
         for i in range(len(prompts))
@@ -207,7 +177,7 @@ def test_batch_invariant_in_deterministic_mode(ckpt):
 
 
 def test_loader_keeps_mtp_aside_and_takes_transformers_names(ckpt, hf):
-    cfg, from_ckpt = _engine_model(ckpt)
+    cfg, from_ckpt = cpu_engine_model(ckpt)
     assert sorted(from_ckpt.mtp_weights) == sorted(
         f"mtp.0.{k}"
         for k in (
@@ -292,7 +262,7 @@ def test_bounded_cache_thirty_mixed_requests_match_hf(setting, ckpt, hf):
         llm.kv_cache_spec.bounded
         and type(llm.engine.scheduler.block_manager).__name__ == "WindowedBlockManager"
     )
-    prompts = _prompts(30, llm.model_config.vocab_size, seed=2, shared_prefix=20)
+    prompts = random_prompts(30, llm.model_config.vocab_size, seed=2, shared_prefix=20)
     steps, preempted = _record_steps(llm)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for p, o in zip(prompts, outs):
@@ -318,7 +288,7 @@ def test_window_blocks_stay_bounded_and_replay_recomputes_the_bounded_span(ckpt,
         max_num_batched_tokens=16,
     )
     bm, bs = llm.engine.scheduler.block_manager, llm.cache_cfg.block_size
-    prompts = _prompts(2, llm.model_config.vocab_size, seed=8, lo=60, hi=60)
+    prompts = random_prompts(2, llm.model_config.vocab_size, seed=8, lo=60, hi=60)
     params = SamplingParams(temperature=0.0, max_tokens=4 * WINDOW, ignore_eos=True)
     steps, preempted = _record_steps(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)

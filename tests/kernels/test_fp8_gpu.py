@@ -27,11 +27,15 @@ def _weight(n, k, group=128, experts=None, seed=0):
 
 
 @needs_fp8
-@pytest.mark.parametrize("m,k", [(1, 4096), (37, 14336), (256, 4096)])
-def test_quantize_act_bitwise_reference(m, k):
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("m,k", [(1, 4096), (37, 14336), (256, 4096), (2048, 4096)])
+def test_quantize_act_bitwise_reference(m, k, seed):
     from deepinfer.kernels.fp8_matmul import quantize_act
 
-    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    # Seeded and large enough that quotients next to an e4m3 rounding boundary occur in every case (an
+    # approximate division once failed this test on one unseeded draw in three runs).
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16, generator=gen)
     q, s = quantize_act(x, 128)
     q_ref, s_ref = quantize_act_ref(x, 128)
     assert torch.equal(s, s_ref)
