@@ -213,4 +213,8 @@ def test_a_worker_node_lost_mid_job_then_a_rerun_commits_every_row_once(job, clu
     assert first == 75 or len(committed) == PARTS
     assert submit_on_cluster(job, url, c) == 0  # the rerun: resumes (or finds the job complete)
     check_output(job, url, reference)
+    # The GCS marks a SIGKILLed node dead only after its health checks fail (seconds, load-dependent).
+    deadline = time.monotonic() + 90
+    while len([n for n in ray.nodes() if n["Alive"]]) != 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # the head and the worker left
