@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, StepRecorder, spread, sync
+from common import JsonOut, StepRecorder, add_rates, compare_arms, spread, sync
 
 CEILING_FLOPS = 780e12
 CEILING_BYTES_S = 4.2e12
@@ -265,10 +265,7 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        secs = r["seconds"]["runs"]
-        r["out_tok_s"] = spread([r["output_tokens"] / s for s in secs])
-        r["total_tok_s"] = spread([(r["output_tokens"] + total_in) / s for s in secs])
-        r["share_of_compute_ceiling"] = r["total_tok_s"]["median"] / ceiling
+        add_rates(r, total_in, ceiling, "share_of_compute_ceiling")
         rows[mode] = r
         o = r["out_tok_s"]
         print(f"deepseek {'tiny' if args.quick else 'v2-lite'} {mode}: median {r['seconds']['median']:.2f}s "
@@ -282,12 +279,7 @@ def main() -> None:
             share = f"{100 * bw['share']:.1f}%" if bw.get("available") else "n/a"
             print(f"  decode steps at {share} of the bandwidth ceiling; MTP verify forward (1+k tokens vs 1, "
                   f"{by['k=0']['ms']['median']:.1f} ms): {costs}", flush=True)
-    if "hf" in rows:
-        for r in rows.values():
-            r["ratio_to_hf"] = r["out_tok_s"]["median"] / rows["hf"]["out_tok_s"]["median"]
-    if "deterministic" in rows and "fast" in rows:
-        det, fast = rows["deterministic"]["out_tok_s"]["median"], rows["fast"]["out_tok_s"]["median"]
-        rows["deterministic"]["slowdown_vs_fast"] = 1 - det / fast
+    compare_arms(rows)
     out.summary({"bench": "deepseek", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "quick": args.quick, "shape": shape, "params": params,
                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -4,6 +4,8 @@ Run on an H200 (HF's DeepSeek-V4 needs transformers >= 5.2x; without it the HF a
     python benchmarks/bench_deepseek_v4.py --out v4.json                 # 8k-token prompts, shape v4-h200
     python benchmarks/bench_deepseek_v4.py --quick                      # CPU, tiny shape, seconds
     python benchmarks/bench_deepseek_v4.py --arm hf --out v4_hf.json    # one arm per command
+The deepinfer arm also runs with MTP drafting on (`--mtp-draft-lens`, default 1,3; '' for none): the dummy
+checkpoint's random MTP block, so it measures the draft + verify cost, and checks the tokens equal MTP off.
 Each arm loads once, warms up, then runs `--runs` measured repetitions (median, min, max). Both arms get the
 same random prompts and produce `--output-len` tokens each (ignore_eos / min_new_tokens). Reported besides
 throughput: KV-cache bytes per sequence of prompt + output tokens in deepinfer's layout, the same for a
@@ -142,11 +144,26 @@ def kv_figures(llm, cfg: dict, seq_tokens: int) -> dict:
 
 
 def bench_deepinfer(
-    model_dir: Path, cfg: dict, prompts, output_len: int, runs: int, device: str, dtype: str, out: JsonOut
+    model_dir: Path,
+    cfg: dict,
+    prompts,
+    output_len: int,
+    runs: int,
+    device: str,
+    dtype: str,
+    out: JsonOut,
+    draft_len: int = 0,
 ) -> dict:
+    """One deepinfer arm; `draft_len` > 0 turns MTP drafting on (the dummy checkpoint's random MTP block,
+    always drafting `draft_len` tokens: acceptance is near 0, so this measures the draft + verify cost)."""
     from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.spec_decode.config import MTPConfig
 
-    # Prefix caching off: the bounded layout (window blocks released, compressed entries kept).
+    mtp = None
+    if draft_len:
+        mtp = MTPConfig(max_draft_len=draft_len, confidence_threshold=0.0, auto_disable=False)
+
+    # The bounded layout (window blocks released, compressed entries kept); random prompts share nothing.
     llm = LLM(
         model=str(model_dir),
         dtype=dtype,
@@ -158,6 +175,7 @@ def bench_deepinfer(
         max_num_seqs=len(prompts),
         gpu_memory_utilization=0.85,
         cpu_kv_cache_gib=0.25,
+        speculative_mtp=mtp if mtp is not None else False,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -169,14 +187,19 @@ def bench_deepinfer(
         sync()
         times.append(time.perf_counter() - t0)
         assert all(len(o.token_ids) == output_len for o in outs)
-        out.line({"arm": "deepinfer", "run": i, "seconds": times[-1]})
+        out.line({"arm": "deepinfer", "draft_len": draft_len, "run": i, "seconds": times[-1]})
     tokens = len(prompts) * (len(prompts[0]) + output_len)
     res = {
         "seconds": spread(times),
         "tokens_per_s": tokens / sorted(times)[len(times) // 2],
         "output_tokens_per_s": len(prompts) * output_len / sorted(times)[len(times) // 2],
         **kv_figures(llm, cfg, len(prompts[0]) + output_len),
+        "token_ids": [o.token_ids for o in outs],
     }
+    if mtp is not None:
+        stats = llm.get_stats()
+        res["mtp"] = {k: stats[k] for k in ("spec_drafted_tokens", "spec_accepted_tokens",
+                                            "spec_acceptance_rate", "spec_mean_tokens_per_verify_step")}
     del llm
     gc.collect()
     return res
@@ -237,6 +260,12 @@ def main() -> None:
         default="both",
         help="run one arm only (each fits one 10-minute GPU command)",
     )
+    ap.add_argument(
+        "--mtp-draft-lens",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[1, 3],
+        help="deepinfer arms with MTP drafting on at these draft lengths ('' for none)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -265,6 +294,16 @@ def main() -> None:
             report["deepinfer"] = bench_deepinfer(
                 model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out
             )
+            base = report["deepinfer"].pop("token_ids")
+            for k in args.mtp_draft_lens:
+                arm = bench_deepinfer(
+                    model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out, draft_len=k
+                )
+                # Greedy with MTP on must give the same tokens (verification is exact; fast mode may differ
+                # only where batch composition changes a bf16 near-tie, which this records, not hides).
+                arm["same_tokens_as_mtp_off"] = arm.pop("token_ids") == base
+                arm["time_vs_mtp_off"] = arm["seconds"]["median"] / report["deepinfer"]["seconds"]["median"]
+                report[f"deepinfer_mtp_k{k}"] = arm
         if args.arm in ("both", "hf"):
             report["hf"] = bench_hf(
                 model_dir, prompts, args.output_len, args.runs, device, getattr(torch, dtype), out

@@ -21,6 +21,8 @@ Run (CPU only; record results in benchmarks/RESULTS.md with the machine's load a
     python benchmarks/bench_scale.py --rows 10000 100000 1000000 --out /tmp/scale_rows.json
     python benchmarks/bench_scale.py --files 1000 --rows-per-file 10 --out /tmp/scale_files.json
     python benchmarks/bench_scale.py --files 1000 10000 --rows-per-file 10 --phases-only --out /tmp/f.json
+    python benchmarks/bench_scale.py --files 10000 --rows-per-file 10 --driver-parts 300 --out /tmp/f10k.json
+    python benchmarks/bench_scale.py --files 10000 --rows-per-file 10 --input-format parquet --out /tmp/p.json
 """
 
 from __future__ import annotations
@@ -39,29 +41,35 @@ from pathlib import Path
 WORDS = "good bad fine great awful okay nice poor cheap solid broken lovely".split()
 
 
-def write_input(root: Path, rows: int, files: int) -> Path:
-    """`rows` short rows ({"rid", "review"}, ~60 bytes) spread evenly over `files` JSONL files."""
+def write_input(root: Path, rows: int, files: int, fmt: str = "jsonl") -> Path:
+    """`rows` short rows ({"rid", "review"}, ~60 bytes) spread evenly over `files` JSONL or Parquet files."""
     data = root / "input"
     data.mkdir(parents=True)
     rng = random.Random(0)
     per_file = -(-rows // files)
     n = 0
     for f in range(files):
-        lines = []
+        records = []
         for _ in range(min(per_file, rows - n)):
             review = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))
-            lines.append(json.dumps({"rid": f"r{n:09d}", "review": review}))
+            records.append({"rid": f"r{n:09d}", "review": review})
             n += 1
-        (data / f"shard-{f:06d}.jsonl").write_text("\n".join(lines) + "\n")
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(records), data / f"shard-{f:06d}.parquet")
+        else:
+            (data / f"shard-{f:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return data
 
 
-def write_spec(root: Path, data: Path, rows_per_part: int) -> Path:
+def write_spec(root: Path, data: Path, rows_per_part: int, fmt: str = "jsonl") -> Path:
     spec = root / "job.yaml"
     spec.write_text(json.dumps({  # JSON is YAML
         "name": "scale",
         "model": {"name": "demo"},
-        "input": {"path": str(data), "format": "jsonl", "id_column": "rid"},
+        "input": {"path": str(data), "format": fmt, "id_column": "rid"},
         "prompt": {"mode": "raw", "template": "Review: {{ review }}"},
         "sampling": {"max_tokens": 1, "seed": 1},
         "output": {"path": str(root / "out"), "format": "parquet"},
@@ -101,14 +109,14 @@ def phases(spec_path: str, output: str, trace: bool) -> dict:
         tracemalloc.start()
     clock = time.perf_counter()
     rows_per_part = stored_rows_per_part(spec.output.path, {}) or spec.runtime.rows_per_part
-    listing = list_input(spec.input.path, "jsonl", {}, stride=rows_per_part)
+    listing = list_input(spec.input.path, spec.input.format, {}, stride=rows_per_part)
     lap("list_input")
     planned = runner.plan_job(listing, rows_per_part)
     tasks = runner.part_tasks(listing, planned)
     lap("plan")
     duplicates = runner.stored_duplicates(spec)  # a resume reuses the first run's verdict (runner.py)
     if duplicates is None:
-        duplicates = find_duplicates(listing, "jsonl", spec.input.id_column, {})
+        duplicates = find_duplicates(listing, spec.input.format, spec.input.id_column, {})
     tasks = with_duplicates(tasks, duplicates)
     lap("dedupe")
     store = JobStore.open(spec, listing, planned, model_dir, duplicates=duplicates)
@@ -138,7 +146,7 @@ def driver_loop(spec_path: str, output: str, max_parts: int) -> dict:
 
     spec = load_spec(spec_path, [f"output.path={output}"])
     model_dir = runner.check_model(spec)
-    listing = list_input(spec.input.path, "jsonl", {}, stride=spec.runtime.rows_per_part)
+    listing = list_input(spec.input.path, spec.input.format, {}, stride=spec.runtime.rows_per_part)
     planned = runner.plan_job(listing, spec.runtime.rows_per_part)
     tasks = runner.part_tasks(listing, planned)[:max_parts]
     plan = StagePlan.from_spec(spec)
@@ -157,7 +165,43 @@ def driver_loop(spec_path: str, output: str, max_parts: int) -> dict:
     store.close()
     rows = sum(t.num_rows for t in tasks)
     return {"parts": len(tasks), "rows": rows, "seconds": round(elapsed, 3),
-            "rows_per_s": round(rows / elapsed, 1), "ms_per_part": round(1000 * elapsed / len(tasks), 2)}
+            "rows_per_s": round(rows / elapsed, 1), "ms_per_part": round(1000 * elapsed / len(tasks), 2),
+            "reports": report_loop(spec, listing, planned, tasks, blocks, model_dir, output + "-reports")}
+
+
+def report_loop(spec, listing, planned, tasks, blocks, model_dir: str, output: str) -> dict:
+    """What the Ray driver does per part now that engine actors commit (output/worker_commit.py): count
+    the report, complete the part. The reports are made (and committed) beforehand, untimed."""
+    from dataclasses import replace
+
+    from deepinfer.pipeline import runner
+    from deepinfer.pipeline.output.job_store import JobStore
+    from deepinfer.pipeline.output.worker_commit import (
+        CommitTarget,
+        PartCommitter,
+        commit_report,
+        report_errors,
+    )
+    from deepinfer.pipeline.summary import RunStats
+
+    spec = replace(spec, output=replace(spec.output, path=output))
+    store = JobStore.open(spec, listing, planned, model_dir)
+    target = CommitTarget(output, {}, dict(store.store.job["fingerprint"]), store.format,
+                          store.store.run_id, runner.make_assembler(spec, listing))
+    committer = PartCommitter(target, "bench")
+    reports = [committer.commit(block) for block in blocks]
+    committer.close()
+    stats, collector = RunStats(rows_total=0, parts_total=0), runner.PartCollector(tasks)
+    start = time.perf_counter()
+    for block in reports:
+        stats.add_batch(block)
+        for part, table in collector.add(block):
+            info = commit_report(table)
+            stats.add_commit(info["rows"], report_errors(table), info["mine"], info["error_rows"])
+            stats.add_commit_place(part.part_id, info["rows"], "worker", info["node"], info["committer"])
+    elapsed = time.perf_counter() - start
+    store.close()
+    return {"seconds": round(elapsed, 4), "ms_per_part": round(1000 * elapsed / len(tasks), 3)}
 
 
 def run_phases(spec: Path, output: str, trace: bool = False) -> dict:
@@ -216,13 +260,13 @@ def object_count(output: Path) -> dict:
 
 
 def run_case(rows: int, files: int, rows_per_part: int, workdir: Path, driver_parts: int,
-             phases_only: bool = False) -> dict:
+             phases_only: bool = False, fmt: str = "jsonl") -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"scale-{rows}-{files}-", dir=workdir))
     try:
         t = time.perf_counter()
-        data = write_input(root, rows, files)
-        spec = write_spec(root, data, rows_per_part)
-        case = {"rows": rows, "files": files, "rows_per_part": rows_per_part,
+        data = write_input(root, rows, files, fmt)
+        spec = write_spec(root, data, rows_per_part, fmt)
+        case = {"rows": rows, "files": files, "rows_per_part": rows_per_part, "input_format": fmt,
                 "input_mb": round(sum(p.stat().st_size for p in data.iterdir()) / 2**20, 1),
                 "write_input_s": round(time.perf_counter() - t, 1)}
         fresh = str(root / "phases-out")
@@ -261,6 +305,7 @@ def main() -> None:
     p.add_argument("--files", type=int, nargs="*", default=[], help="file counts (--rows-per-file each)")
     p.add_argument("--rows-per-file", type=int, default=10)
     p.add_argument("--rows-per-part", type=int, default=1000)
+    p.add_argument("--input-format", choices=("jsonl", "parquet"), default="jsonl")
     p.add_argument("--driver-parts", type=int, default=100, help="parts of the driver measurement (0: off)")
     p.add_argument("--phases-only", action="store_true", help="skip the submit and resume runs")
     p.add_argument("--workdir", default=None, help="where inputs and outputs go (default: a temp dir)")
@@ -270,8 +315,8 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cases = [(n, args.shards) for n in args.rows] + [(f * args.rows_per_file, f) for f in args.files]
     results = {"machine": {"cpus": os.cpu_count(), "load_average_start": os.getloadavg()},
-               "cases": [run_case(n, f, args.rows_per_part, workdir, args.driver_parts, args.phases_only)
-                         for n, f in cases]}
+               "cases": [run_case(n, f, args.rows_per_part, workdir, args.driver_parts, args.phases_only,
+                                  args.input_format) for n, f in cases]}
     results["machine"]["load_average_end"] = os.getloadavg()
     text = json.dumps(results, indent=2)
     if args.out:

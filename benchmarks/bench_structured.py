@@ -17,8 +17,12 @@ After a warm-up of each arm, the arms alternate (unconstrained, constrained, unc
 
 Mask filling is reported per constrained run: worker time filling masks per step (`fill_ms_per_step`), the
 part of it sampling had to wait for (`wait_ms_per_step`: not hidden behind the forward and the host's other
-work) and `overlapped_fraction` = 1 - wait / fill. `--prefetch-ab` adds a third arm with the prefetch off
-(masks filled only when the step samples, the earlier behaviour; same outputs).
+work) and `overlapped_fraction` = 1 - wait / fill, as means and, per masked step, median / p90 / max
+(`per_step`: a few slow steps, e.g. the one where every row is in the initial state, can dominate the
+mean). `mask_cache` gives the exact mask cache's share of rows served by copy (a stored mask of the same
+token history, or a row of the same fill batch) instead of llguidance. `--prefetch-ab` adds an arm with
+the prefetch off (masks filled only when the step samples, the earlier behaviour; same outputs);
+`--mask-cache-ab` one with the mask cache off (every row computed by llguidance; same outputs).
 
 `--device cpu` is a quick host-side check on a small machine: a 2-layer Llama of the 8B shape's vocabulary
 (the 128k BPE), float32, e.g. `--device cpu --num-prompts 16 --prompt-len 32 --max-tokens 32 --runs 3`.
@@ -92,17 +96,36 @@ def run(llm, prompts, params, rec: StepRecorder | None = None) -> dict:
 
 
 def mask_counters(llm) -> dict:
-    return dict(llm.structured.mask_stats())
+    return {**llm.structured.mask_stats(), "step_log_len": len(llm.structured.step_log)}
 
 
-def mask_summary(before: dict, after: dict) -> dict:
-    """Per-step mask figures of one run from the manager's cumulative counters."""
+def _dist(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {"median": 0.0, "p90": 0.0, "max": 0.0}
+    return {"median": statistics.median(xs), "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "max": xs[-1]}
+
+
+def mask_summary(llm, before: dict, after: dict) -> dict:
+    """Per-step mask figures of one run from the manager's cumulative counters and its per-step log."""
     steps = max(1, after["mask_steps"] - before["mask_steps"])
     fill = after["fill_seconds"] - before["fill_seconds"]
     wait = after["wait_seconds"] - before["wait_seconds"]
+    log = llm.structured.step_log[before["step_log_len"]:after["step_log_len"]]
+    lookups = after["mask_cache_lookups"] - before["mask_cache_lookups"]
+    reused = (after["mask_cache_hits"] - before["mask_cache_hits"]
+              + after["mask_cache_shared"] - before["mask_cache_shared"])
+    rows = after["filled_rows"] - before["filled_rows"]
     return {"steps": steps, "rows_per_step": (after["mask_rows"] - before["mask_rows"]) / steps,
             "fill_ms_per_step": 1000 * fill / steps, "wait_ms_per_step": 1000 * wait / steps,
-            "overlapped_fraction": max(0.0, 1 - wait / fill) if fill > 0 else 0.0}
+            "overlapped_fraction": max(0.0, 1 - wait / fill) if fill > 0 else 0.0,
+            "per_step": {"fill_ms": _dist([1000 * f for f, _, _ in log]),
+                         "wait_ms": _dist([1000 * w for _, w, _ in log]),
+                         "rows": _dist([float(r) for _, _, r in log])},
+            "mask_cache": {"rows_filled": rows, "rows_by_copy": reused,
+                           "hit_rate": reused / rows if rows else 0.0,
+                           "hit_rate_of_lookups": reused / lookups if lookups else 0.0,
+                           "masks_kept": after["mask_cache_masks"], "trie_nodes": after["mask_cache_nodes"]}}
 
 
 def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
@@ -153,6 +176,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="a third arm: JSON schema with the mask prefetch off (filled at sampling only)")
+    ap.add_argument("--mask-cache-ab", action="store_true",
+                    help="an arm: JSON schema with the exact mask cache off (every row from llguidance)")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more profiled pair: GPU busy fraction and host ms per decode step")
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
@@ -197,6 +222,8 @@ def main() -> None:
     arms = {"unconstrained": sp_free, "json_schema": sp_json}
     if args.prefetch_ab:
         arms["json_schema_no_prefetch"] = sp_json
+    if args.mask_cache_ab:
+        arms["json_schema_no_mask_cache"] = sp_json
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     steps: dict[str, dict] = {}
     masks: dict[str, list[dict]] = {a: [] for a in arms if a != "unconstrained"}
@@ -205,6 +232,7 @@ def main() -> None:
         for arm, params in arms.items():  # ABAB...: drift on a shared machine falls on both arms alike
             rec.reset()
             llm.structured.prefetch = arm != "json_schema_no_prefetch"
+            llm.structured.use_mask_cache(arm != "json_schema_no_mask_cache")
             before = mask_counters(llm)
             r = run(llm, prompts, params, rec)
             steps[arm] = rec.host_summary()
@@ -212,13 +240,14 @@ def main() -> None:
             if arm != "unconstrained":
                 assert [o.token_ids for o in r["outputs"]] == [o.token_ids for o in warm["outputs"]]
                 cons = r if arm == "json_schema" else cons
-                row["masks"] = mask_summary(before, mask_counters(llm))
+                row["masks"] = mask_summary(llm, before, mask_counters(llm))
                 masks[arm].append(row["masks"])
             runs[arm].append(row)
             out.line({"arm": arm, "run": i, **row})
     finished = [o for o in cons["outputs"] if o.finish_reason == "stop"]
     valid = sum(output_satisfies("json_schema", SCHEMA, o.text) for o in finished)
     llm.structured.prefetch = True
+    llm.structured.use_mask_cache(True)
     costs = mask_costs(llm, sp_json, vocab)
     tps = {a: [r["out_tok_s"] for r in rs] for a, rs in runs.items()}
     pair_slowdowns = [1 - c / f for f, c in zip(tps["unconstrained"], tps["json_schema"])]
@@ -228,7 +257,7 @@ def main() -> None:
         "tokenizer_build_s": tokenizer_s,
         "shape": args.shape + ("-cpu" if cpu else ""), "num_prompts": args.num_prompts,
         "gpu": torch.cuda.get_device_name() if not cpu else None,
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": torch.get_num_threads(), "mask_threads": llm.structured.backend.threads,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": args.runs,
         "manager_build_s": build_s, "schema_compile_s": compile_s, "schema_cached_s": cached_s,
         "json_schema_first_pass_s": warm["seconds"],
@@ -240,10 +269,22 @@ def main() -> None:
         "finished": len(finished), "finished_valid": valid,
         "slowdown": 1 - statistics.median(tps["json_schema"]) / statistics.median(tps["unconstrained"]),
         "pair_slowdowns": spread(pair_slowdowns),
-        "masks": {arm: {k: spread([m[k] for m in ms]) for k in ("fill_ms_per_step", "wait_ms_per_step",
-                                                               "overlapped_fraction", "rows_per_step")}
+        "masks": {arm: {**{k: spread([m[k] for m in ms]) for k in ("fill_ms_per_step", "wait_ms_per_step",
+                                                                   "overlapped_fraction", "rows_per_step")},
+                        "fill_ms_step_median": spread([m["per_step"]["fill_ms"]["median"] for m in ms]),
+                        "fill_ms_step_p90": spread([m["per_step"]["fill_ms"]["p90"] for m in ms]),
+                        "wait_ms_step_median": spread([m["per_step"]["wait_ms"]["median"] for m in ms]),
+                        "wait_ms_step_p90": spread([m["per_step"]["wait_ms"]["p90"] for m in ms]),
+                        "mask_cache_hit_rate": spread([m["mask_cache"]["hit_rate"] for m in ms])}
                   for arm, ms in masks.items()},
     }
+    if args.mask_cache_ab:
+        off = runs["json_schema_no_mask_cache"]
+        result["json_schema_no_mask_cache"] = {
+            "out_tok_s": spread([r["out_tok_s"] for r in off]),
+            "steps": steps.get("json_schema_no_mask_cache"),
+            "mask_cache_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
+                                                                      [r["out_tok_s"] for r in off])])}
     if args.prefetch_ab:
         off = runs["json_schema_no_prefetch"]
         result["json_schema_no_prefetch"] = {
@@ -255,6 +296,7 @@ def main() -> None:
         for arm, params in arms.items():
             rec.reset()
             llm.structured.prefetch = arm != "json_schema_no_prefetch"
+            llm.structured.use_mask_cache(arm != "json_schema_no_mask_cache")
             with rec.profiled():
                 run(llm, prompts, params, rec)
             prof[arm] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}

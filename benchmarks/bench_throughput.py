@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, StepRecorder, spread, sync
+from common import JsonOut, StepRecorder, add_rates, compare_arms, spread, sync
 from shapes import PARAMS, write_shape
 
 CEILING_FLOPS = 780e12
@@ -173,21 +173,13 @@ def main() -> None:
                                 args.profile_steps, out, mode)
         gc.collect()
         torch.cuda.empty_cache()
-        secs = r["seconds"]["runs"]
-        r["out_tok_s"] = spread([r["output_tokens"] / s for s in secs])
-        r["total_tok_s"] = spread([(r["output_tokens"] + total_in) / s for s in secs])
-        r["share_of_ceiling"] = r["total_tok_s"]["median"] / ceiling
+        add_rates(r, total_in, ceiling)
         rows[mode] = r
         o = r["out_tok_s"]
         print(f"{args.shape} {mode}: median {r['seconds']['median']:.2f}s out {o['median']:.0f} tok/s "
               f"(min {o['min']:.0f}, max {o['max']:.0f}) total {r['total_tok_s']['median']:.0f} tok/s "
               f"({100 * r['share_of_ceiling']:.1f}% of ceiling)", flush=True)
-    if "hf" in rows:
-        for r in rows.values():
-            r["ratio_to_hf"] = r["out_tok_s"]["median"] / rows["hf"]["out_tok_s"]["median"]
-    if "deterministic" in rows and "fast" in rows:
-        det, fast = rows["deterministic"]["out_tok_s"]["median"], rows["fast"]["out_tok_s"]["median"]
-        rows["deterministic"]["slowdown_vs_fast"] = 1 - det / fast
+    compare_arms(rows)
     out.summary({"bench": "throughput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,

@@ -26,6 +26,24 @@ def spread(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "runs": xs}
 
 
+def add_rates(r: dict[str, Any], total_in: int, ceiling: float, share_key: str = "share_of_ceiling") -> None:
+    """Out and total (prompt + output) tokens/s of every run of an arm; the median's share of `ceiling`."""
+    secs = r["seconds"]["runs"]
+    r["out_tok_s"] = spread([r["output_tokens"] / s for s in secs])
+    r["total_tok_s"] = spread([(r["output_tokens"] + total_in) / s for s in secs])
+    r[share_key] = r["total_tok_s"]["median"] / ceiling
+
+
+def compare_arms(rows: dict[str, dict[str, Any]]) -> None:
+    """Same-run ratios: every arm against HF generate, deterministic against fast (where both ran)."""
+    if "hf" in rows:
+        for r in rows.values():
+            r["ratio_to_hf"] = r["out_tok_s"]["median"] / rows["hf"]["out_tok_s"]["median"]
+    if "deterministic" in rows and "fast" in rows:
+        det, fast = rows["deterministic"]["out_tok_s"]["median"], rows["fast"]["out_tok_s"]["median"]
+        rows["deterministic"]["slowdown_vs_fast"] = 1 - det / fast
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

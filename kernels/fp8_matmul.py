@@ -42,19 +42,26 @@ def round_to_e4m3(v):
 
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
+                      GROUP: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
+    # ROWS rows x one K-group per program: each element's arithmetic is the same as one row at a time
+    # (the group max is exact), so the bits do not depend on ROWS; it only cuts the program count.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, GROUP)
-    mask = offs < K
-    x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), EPS) / QMAX
+    mask = (rows[:, None] < M) & (offs[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), EPS) / QMAX
     # IEEE division (div.rn): Triton's `/` on fp32 is the approximate div.full on the GPU, whose last-ulp
     # error moves a quotient next to an e4m3 rounding boundary to the other side of it.
-    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX))
-    tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=mask)
-    tl.store(s_ptr + m * stride_sm + g, scale)
+    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX))
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :],
+             q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + g, scale, mask=rows < M)
+
+
+# Rows per quantization program (measured on the H200: one row per program made the quantization of a
+# 2048 x 14336 activation cost 150 us, most of an FP8 GEMM's time).
+_QUANT_ROWS = 16
 
 
 def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,18 +72,21 @@ def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m and k:
-        _act_quant_kernel[(m, groups)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-                                       GROUP=group, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=1)
+        _act_quant_kernel[(triton.cdiv(m, _QUANT_ROWS), groups)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+            GROUP=group, ROWS=_QUANT_ROWS, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=4)
     return q, s
 
 
 def fp8_tile_config(m: int | None, n: int, k: int, group: int) -> dict[str, int]:
-    """Tile config: from (N, K, GROUP) only when `m` is None (invariant), else also from M (fast)."""
-    del n, k  # kept in the signature so an (N, K)-dependent policy stays M-free
-    if m is not None and m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 4,
-                "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    """Tile config: from (N, K, GROUP) only when `m` is None (invariant), else also from M (fast).
+
+    64x128 tiles, 4 warps, 3 stages: the best (or within 1% of it) of 32 configs swept on the H200 for the
+    Llama-3.1-8B layer shapes at M = 256 and M = 2048, kernel time in CUDA graphs (larger tiles lose: the
+    per-K-step rescale of the accumulator keeps the dot from pipelining), so both modes use it for every M.
+    """
+    del m, n, k  # kept in the signature so an (M, N, K)-dependent policy can return
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit

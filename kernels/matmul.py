@@ -6,6 +6,17 @@ order, by one `tl.dot` chain whose shape (BLOCK_M x BLOCK_N x BLOCK_K) and compi
 are never stored), so a row's bits do not depend on how many other rows share the call or on which tile or
 program computes it. `M` is excluded from Triton's integer specialisation so one compiled binary serves
 every M. The persistent tile loop only changes which program runs a tile, never how a tile is computed.
+
+Decode-sized M: one tile shape cannot serve both a 256-row decode step and an 8k-token prefill well (at
+M = 256 a 128-row tile leaves half the SMs idle on the 4096-wide layers). `MatmulPlanner` therefore picks a
+config per M bucket, all with the same BLOCK_K, so every element is still one fp32 chain of the same
+BLOCK_K-wide dots in the same K order; only which program and which MMA tile shape computes it differ.
+That this gives identical bits is a property of the GPU's MMA units, not a language guarantee, so the
+planner proves it per weight shape on the device before using it: the first call for a shape runs every
+bucket's config on that call's input and compares the results bitwise; if any differs, that shape keeps a
+single config for every M (invariance first, speed second). On the H200 all 58 configs tried with
+BLOCK_K = 64 (two sweeps, 58 and 43 configs) agreed bitwise on every Llama-3.1-8B layer shape
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -52,6 +63,68 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if n >= 8192:
         return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False) -> MatmulConfig:
+    return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
+                        persistent=persistent)
+
+
+def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | None, MatmulConfig], ...]:
+    """(max_m, config) by ascending M bucket, the last open-ended. Every bucket keeps BLOCK_K = 64 (see the
+    module docstring for why that matters).
+
+    Measured on the H200 (kernel time in CUDA graphs, Llama-3.1-8B layer shapes, benchmarks/RESULTS.md): up
+    to 128 rows, 64x64 tiles (a decode step's few row tiles times many column tiles fill the SMs); up to 256
+    rows, 64x128 tiles for weights up to 4096 wide (4 x 32 tiles for 132 SMs) and 128x128 beyond; wide
+    weights (gate_up, lm_head) take 64x256 / 128x256 tiles; prefill-sized M takes 128x256.
+    """
+    del k
+    if dtype == torch.float32:
+        return ((None, matmul_config(n, 0, dtype)),)
+    if n >= 8192:
+        return ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
+    mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
+    return ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
+
+
+class MatmulPlanner:
+    """Chooses `bi_linear`'s config by M bucket for weight shapes whose bucket configs agree bitwise.
+
+    One planner per engine (the ops backend owns it). The verdict for a (N, K, dtype, device) is taken once,
+    on the first call outside CUDA-graph capture, and never changes: a shape whose first call happens under
+    capture, or whose configs disagree, uses `matmul_config` for every M.
+    """
+
+    def __init__(self) -> None:
+        self._verdicts: dict[tuple[int, int, torch.dtype, str], bool] = {}
+
+    def config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> MatmulConfig:
+        n, k = weight.shape
+        buckets = _bucket_configs(n, k, x.dtype)
+        if len(buckets) == 1:
+            return buckets[0][1]
+        key = (n, k, x.dtype, str(x.device))
+        agree = self._verdicts.get(key)
+        if agree is None:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            agree = False if capturing else self._agree(x, weight, bias, buckets)
+            self._verdicts[key] = agree
+        if not agree:
+            return matmul_config(n, k, x.dtype)
+        m = x.shape[0]
+        return next(cfg for max_m, cfg in buckets if max_m is None or m <= max_m)
+
+    @staticmethod
+    def _agree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               buckets: tuple[tuple[int | None, MatmulConfig], ...]) -> bool:
+        outs = [bi_linear(x, weight, bias, config=cfg) for _, cfg in buckets]
+        return all(torch.equal(outs[0], o) for o in outs[1:])
+
+    def verdicts(self) -> dict[str, bool]:
+        """Per weight shape 'NxK dtype device': whether the M-bucket configs are in use (diagnostics)."""
+        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}": v
+                for (n, k, d, dev), v in self._verdicts.items()}
 
 
 @functools.cache
@@ -123,10 +196,12 @@ def bi_linear(
     bias: torch.Tensor | None = None,
     *,
     config: MatmulConfig | None = None,
+    planner: MatmulPlanner | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, batch-invariant.
 
-    `config` overrides the tile config (benchmarks); the default comes from `matmul_config(N, K, dtype)`.
+    `config` overrides the tile config (benchmarks); else `planner` picks it by M bucket where that is
+    proven bitwise safe (MatmulPlanner); else it is `matmul_config(N, K, dtype)` for every M.
     """
     check_tensor("x", x, ndim=2)
     check_tensor("weight", weight, ndim=2, device=x.device)
@@ -145,7 +220,12 @@ def bi_linear(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    cfg = config if config is not None else matmul_config(n, k, x.dtype)
+    if config is not None:
+        cfg = config
+    elif planner is not None:
+        cfg = planner.config(x, weight, bias)
+    else:
+        cfg = matmul_config(n, k, x.dtype)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if not cfg.persistent:
         programs = num_tiles

@@ -3,7 +3,9 @@
 Flow: list the input (sorted) -> plan parts -> open the output store (validates or writes _job.json; a
 different job there is exit 4) -> clean up orphans of dead writers -> run the executor over the parts not yet
 committed -> as each part's last row comes back, build its output and error tables and commit them
-(exactly once, atomically) -> check the error budget over the whole job -> write _SUCCESS with the summary.
+(exactly once, atomically; on the Ray executor the engine actor that finished the part commits it on its
+node and reports back, output/worker_commit.py) -> check the error budget over the whole job -> write
+_SUCCESS with the summary.
 
 A part is committed the moment its rows are all back, so a killed run loses at most the parts in flight.
 The error budget is judged over every row of the job (earlier runs' committed errors included); once the
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify_exception
-from deepinfer.pipeline.output.job_store import JobStore, failure_reason
+from deepinfer.pipeline.output.job_store import CommitOutcome, JobStore, failure_reason
+from deepinfer.pipeline.output.lease import ray_node
+from deepinfer.pipeline.output.worker_commit import CommitTarget, commit_report, report_errors
+from deepinfer.pipeline.part_collector import PartCollector  # noqa: F401 - re-exported (tests, benchmarks)
 from deepinfer.pipeline.parts import PartSpec, PartTask, plan_parts
 from deepinfer.pipeline.progress import ProgressDisplay
 from deepinfer.pipeline.spec.load import JobSpec
@@ -146,8 +150,10 @@ def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
                          batch_output=batch_output)
 
 
-def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions
-             ) -> Iterator[pa.Table]:
+def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions,
+             target: CommitTarget | None = None) -> Iterator[pa.Table]:
+    """The spec's executor over `parts`; with `target` a Ray run's engine actors commit the parts
+    themselves (output/worker_commit.py) and return reports."""
     if spec.runtime.executor == "local":
         from deepinfer.pipeline.executors.local import run_local
 
@@ -162,56 +168,9 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: Sub
     settings = EngineSettings(spec.runtime.engines, spec.runtime.engine_cpus,
                               spec.runtime.max_batches_in_flight)
     try:
-        yield from run_ray(plan, parts, session, settings)
+        yield from run_ray(plan, parts, session, settings, target)
     finally:
         session.close()
-
-
-class PartCollector:
-    """Gathers result rows per part; returns (part, rows) the moment the last distinct row of a part is back.
-
-    Executors deliver a part in one table as a rule (one Ray Data block per part), so this holds rows only
-    when a block was split. Rows are keyed by input position, so a row delivered twice (a retried task) is
-    kept once, and rows of an already completed part are ignored.
-    """
-
-    def __init__(self, parts: Sequence[PartTask]) -> None:
-        self.parts = {p.part_id: p for p in parts}
-        self.rows: dict[str, list[pa.Table]] = {}
-        self.seen: dict[str, set[int]] = {}
-        self.done: set[str] = set()
-
-    def add(self, batch: pa.Table) -> list[tuple[PartTask, pa.Table]]:
-        complete = []
-        ids = batch.column("__part")
-        present = pc.unique(ids).to_pylist()
-        for part_id in sorted(present):
-            if part_id in self.done:
-                continue
-            # the rule is one part per block: take it whole rather than copying it through a filter
-            rows = batch if len(present) == 1 else batch.filter(pc.equal(ids, part_id))
-            self.rows.setdefault(part_id, []).append(rows)
-            self.seen.setdefault(part_id, set()).update(rows.column("__row").to_pylist())
-            part = self.parts[part_id]
-            if len(self.seen[part_id]) == part.num_rows:
-                table = pa.concat_tables(self.rows.pop(part_id))
-                if table.num_rows != part.num_rows:
-                    table = _dedupe_rows(table)
-                del self.seen[part_id]
-                self.done.add(part_id)
-                complete.append((part, table))
-        return complete
-
-    def pending(self) -> list[str]:
-        return sorted(self.rows)
-
-
-def _dedupe_rows(table: pa.Table) -> pa.Table:
-    rows = table.column("__row").to_pylist()
-    first: dict[int, int] = {}
-    for i, r in enumerate(rows):
-        first.setdefault(r, i)
-    return table.take(pa.array(sorted(first.values()), type=pa.int64()))
 
 
 @dataclass
@@ -342,19 +301,52 @@ def write_metrics(spec: JobSpec, store: JobStore) -> None:
     storage.write_atomic(store.store.fs, store.store.path(METRICS_FILE), dumps(metrics))
 
 
+def commit_target(ctx: RunContext) -> CommitTarget:
+    """What a Ray run's engine actors need to commit their parts where they finish (worker_commit.py)."""
+    store = ctx.store.store
+    if store.job is None or store.run_id is None:
+        raise RuntimeError("the output store must be open (JobStore.open) before the executor starts")
+    return CommitTarget(ctx.spec.output.path, dict(ctx.spec.output.storage_options),
+                        dict(store.job["fingerprint"]), ctx.store.format, store.run_id, ctx.assembler)
+
+
+def _commit_here(ctx: RunContext, part: PartTask, table: pa.Table) -> tuple[CommitOutcome, pa.Table]:
+    """Commit a part on the driver (local executor; a Ray part whose rows came back split)."""
+    ok, errors = ctx.assembler.build(table)
+    outcome = ctx.store.commit(part.part_id, ok, errors)
+    if outcome.mine:
+        rows = outcome.rows + outcome.error_rows
+        ctx.stats.add_commit_place(part.part_id, rows, "driver", ray_node(), None)
+    return outcome, errors
+
+
 def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
-    """Stream the executor's results and commit each part the moment its rows are all back."""
+    """Stream the executor's results; count each part as it is committed — by the engine actor that
+    finished it (Ray) or here the moment its rows are all back (local executor)."""
     if not todo:
         return 0
     collector = PartCollector(todo)
-    results = (ctx.options.execute or _execute)(ctx.spec, StagePlan.from_spec(ctx.spec), todo, ctx.options)
+    plan = StagePlan.from_spec(ctx.spec)
+    if ctx.options.execute is not None:
+        results = ctx.options.execute(ctx.spec, plan, todo, ctx.options)
+    else:
+        target = commit_target(ctx) if ctx.spec.runtime.executor == "ray" else None
+        results = _execute(ctx.spec, plan, todo, ctx.options, target)
     try:
         for batch in results:
             rows, out_tokens = ctx.stats.add_batch(batch)
             ctx.progress.advance(rows, 0, out_tokens)
             for part, table in collector.add(batch):
-                ok, errors = ctx.assembler.build(table)
-                outcome = ctx.store.commit(part.part_id, ok, errors)
+                report = commit_report(table)
+                if report is None:
+                    outcome, errors = _commit_here(ctx, part, table)
+                else:
+                    outcome = CommitOutcome(bool(report["mine"]), int(report["rows"]),
+                                            int(report["error_rows"]))
+                    errors = report_errors(table)
+                    if outcome.mine:
+                        ctx.stats.add_commit_place(part.part_id, outcome.rows + outcome.error_rows, "worker",
+                                                   report.get("node"), report.get("committer"))
                 ctx.stats.add_commit(outcome.rows, errors, outcome.mine, outcome.error_rows)
                 ctx.progress.part_committed(outcome.error_rows)
             if ctx.budget.exceeded(ctx.stats.errored_total, ctx.stats.rows_total):

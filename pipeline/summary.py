@@ -85,6 +85,10 @@ def speculative_section(engines: dict[str, EngineSpec]) -> dict[str, Any]:
     }
 
 
+# Parts the summary lists one by one (where each was committed); the per-node counts cover them all.
+COMMITS_LISTED = 1000
+
+
 @dataclass
 class RunStats:
     """Counts for one run. Row and part counts grow only when a part is committed — by this run (its
@@ -113,6 +117,9 @@ class RunStats:
     start_epoch: float = field(default_factory=time.time)
     first_token_epoch: float | None = None
     first_commit: float | None = None  # time.monotonic() of this run's first commit
+    # (where, node) -> [parts, rows] this run committed there; the first COMMITS_LISTED of those parts
+    committed_on: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
+    commit_log: list[dict[str, Any]] = field(default_factory=list)
 
     def add_batch(self, batch: pa.Table) -> tuple[int, int]:
         """Count the work in a batch of ENGINE_SCHEMA rows; returns (rows, output tokens) for progress."""
@@ -154,6 +161,20 @@ class RunStats:
         for stage, code in zip(errors.column("stage").to_pylist(), errors.column("code").to_pylist()):
             self.by_stage[stage][code] += 1
 
+    def add_commit_place(self, part_id: str, rows: int, where: str, node: str | None,
+                         committer: str | None) -> None:
+        """Where a part this run committed was committed (summary `commits`): on a worker or the driver."""
+        counts = self.committed_on.setdefault((where, node), [0, 0])
+        counts[0] += 1
+        counts[1] += rows
+        if len(self.commit_log) < COMMITS_LISTED:
+            self.commit_log.append({"part": part_id, "where": where, "node": node, "committer": committer})
+
+    def commits_section(self) -> dict[str, Any]:
+        places = sorted(self.committed_on.items(), key=lambda kv: (kv[0][0], kv[0][1] or ""))
+        by_node = [{"where": w, "node": n, "parts": v[0], "rows": v[1]} for (w, n), v in places]
+        return {"by_node": by_node, "parts": list(self.commit_log), "parts_listed_max": COMMITS_LISTED}
+
     @property
     def errored_total(self) -> int:
         return self.errored_resumed + self.rows_errored + self.errored_by_others
@@ -189,6 +210,7 @@ class RunStats:
                       "resumed": self.parts_resumed},
             "committed_by_others": {"parts": self.parts_by_others,
                                     "rows": self.ok_by_others + self.errored_by_others},
+            "commits": self.commits_section(),
             "tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens,
                        "output_per_second": round(self.output_tokens / wall, 3) if wall > 0 else 0.0},
             "errors": {"fraction": round(self.error_fraction(), 6), "max_fraction": max_fraction,

@@ -45,12 +45,13 @@ class PagedSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
         if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype="fp8"
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             self.ops.store_kv_fp8(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             out = self.ops.attention_fp8(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         else:
-            self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            # One op for rotate q, rotate k, store k/v: the CUDA backends fuse it into one kernel launch.
+            q = self.ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

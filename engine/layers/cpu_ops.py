@@ -11,6 +11,7 @@ from deepinfer.kernels.reference.attention import chunked_paged_attention, paged
 from deepinfer.kernels.reference.matmul import row_invariant_mm
 from deepinfer.kernels.reference.mla import mla_attention_ref
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
+from deepinfer.kernels.reference.tiled_attention import tiled_paged_attention
 
 
 class CpuInvariantOps(Ops):
@@ -33,12 +34,18 @@ class CpuInvariantOps(Ops):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return chunked_paged_attention(q, k_cache, v_cache, meta, scale)
+        # GEMM tiles where this CPU's BLAS passed their probe (the same answer for every call of a
+        # process, so a token always gets one definition of its bits); the elementwise chunks elsewhere.
+        out = tiled_paged_attention(q, k_cache, v_cache, meta, scale)
+        return out if out is not None else chunked_paged_attention(q, k_cache, v_cache, meta, scale)
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
                       v_scale: torch.Tensor) -> torch.Tensor:
-        return chunked_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        out = tiled_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if out is None:
+            out = chunked_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return out
 
 
 class CpuFastOps(Ops):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from deepinfer.engine.layers.ops import Ops
@@ -11,12 +13,16 @@ from deepinfer.kernels.metadata import AttentionMetadata
 def _kernels():
     """Import the Triton kernel modules; a clear error when they (or triton) are unavailable."""
     try:
-        from deepinfer.kernels import activation, matmul, paged_attention, rmsnorm, store_kv
+        from deepinfer.kernels import activation, matmul, paged_attention, rmsnorm, rotary_store, store_kv
     except ImportError as e:
         raise RuntimeError(
             f"CUDA ops need deepinfer's Triton kernels (deepinfer.kernels) and triton: {e}"
         ) from e
-    return matmul, rmsnorm, paged_attention, activation, store_kv
+    return matmul, rmsnorm, paged_attention, activation, store_kv, rotary_store
+
+
+# Set to 1 to run rotary + KV store unfused (rotate q, rotate k, store_kv) on CUDA, e.g. to A/B the kernel.
+DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
 
 
 class _CudaOps(Ops):
@@ -24,7 +30,9 @@ class _CudaOps(Ops):
 
     def __init__(self) -> None:
         (self._matmul, self._rmsnorm, self._attention, self._activation,
-         self._store_kv) = _kernels()
+         self._store_kv, self._rotary_store) = _kernels()
+        # Read once per backend (not per call), so one engine never mixes the two paths.
+        self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
@@ -41,6 +49,17 @@ class _CudaOps(Ops):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         self._store_kv.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        # The fused kernel covers caches in the activation dtype; anything else (switched off, a cache of
+        # another dtype) takes the unfused composition: today's path, with the same bits.
+        if not self.fused_rope or k_cache.dtype != q.dtype or cos.dtype != q.dtype:
+            return super().rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        rows = cos.shape[0]
+        return self._rotary_store.rotary_store_kv(q, k, v, cos.reshape(rows, -1), sin.reshape(rows, -1),
+                                                  k_cache, v_cache, slot_mapping)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -113,8 +132,13 @@ class CudaInvariantOps(_CudaOps):
     name = "cuda-invariant"
     deterministic = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
+        self._planner = self._matmul.MatmulPlanner()
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._matmul.bi_linear(x, weight, bias)
+        return self._matmul.bi_linear(x, weight, bias, planner=self._planner)
 
 
 class CudaFastOps(_CudaOps):

@@ -13,6 +13,7 @@ from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref
 from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
+from deepinfer.kernels.reference.rotary_store import rotate_half_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 
@@ -51,6 +52,19 @@ class Ops:
                  slot_mapping: torch.Tensor) -> None:
         """Write k, v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at flat slots [T]."""
         store_kv_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+
+    def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of q [T, Hq, D] and k [T, Hkv, D] (rotate_half convention, cos/sin [T, 1, D] in
+        the activation dtype), then `store_kv` of the rotated k and v; returns the rotated q.
+
+        Shared version: the unfused composition (rotate q, rotate k, `self.store_kv`). CUDA backends run
+        one fused kernel with the same bits (kernels/rotary_store.py).
+        """
+        q, k = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+        self.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     def store_kv_fp8(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:

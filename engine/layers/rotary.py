@@ -6,6 +6,7 @@ import math
 
 import torch
 from deepinfer.engine.models.config import RopeScaling
+from deepinfer.kernels.reference.rotary_store import rotate_half_ref
 from torch import nn
 
 
@@ -57,7 +58,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated with the rotate_half (non-interleaved) convention of transformers."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [T, H, D] rotated with the rotate_half (non-interleaved) convention of transformers.
+
+    The formula lives in kernels/reference/rotary_store.py, the reference the fused rotary + KV-store
+    kernel is tested against, so the unfused path and that reference cannot drift apart.
+    """
+    return rotate_half_ref(x, cos, sin)

@@ -16,7 +16,7 @@ import torch
 from deepinfer.engine.layers.hyper_connections import unweighted_rms_norm
 from deepinfer.engine.layers.linear import Linear, empty_param
 from deepinfer.engine.layers.ops import Ops
-from deepinfer.engine.layers.v4_cache import entry_layout
+from deepinfer.engine.layers.v4_cache import entry_layout, entry_rate
 from deepinfer.engine.layers.v4_compressor import LightningIndexer, WindowCompressor, slots_of
 from deepinfer.engine.layers.v4_norm import V4RMSNorm
 from deepinfer.engine.layers.v4_rope import V4Rotary, apply_v4_rotary
@@ -101,7 +101,7 @@ class V4Attention(nn.Module):
         )
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, False, ops, dtype, device)
         self.sinks = empty_param(h, dtype=torch.float32, device=device)
-        self.rate = 0
+        self.rate, self.entry_rate = 0, entry_rate(cfg)
         if self.kind != SLIDING:
             self.rate = cfg.rate(self.kind)
             series = 2 if self.kind == CSA else 1
@@ -125,7 +125,8 @@ class V4Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
         """(window rows, compressed rows, the tables that address compressed rows, whether they are
         entry-indexed): the full layout keeps both parts in one row per token, entry w in the row of token
-        (w + 1) * rate - 1; the bounded one keeps entries in their own pool, entry w at index w."""
+        (w + 1) * rate - 1; the bounded one keeps entries in their own pool, entry w at index
+        (w + 1) * rate / entry_rate - 1 (its closing token's index at the finest rate)."""
         lay = self.layout
         if isinstance(cache, tuple):
             window, aux = cache
@@ -138,7 +139,10 @@ class V4Attention(nn.Module):
         return flat, flat[:, lay.window_width :], meta.block_tables, False
 
     def _entry_position(self, w: torch.Tensor, by_entry: bool) -> torch.Tensor:
-        return w if by_entry else (w + 1) * self.rate - 1
+        # Either way addressed by the token that closes window w: in the full layout its row, in the bounded
+        # pool its index at the finest rate (so an aux block depends only on the tokens before its end).
+        closing = (w + 1) * self.rate
+        return closing // self.entry_rate - 1 if by_entry else closing - 1
 
     def forward(
         self,

@@ -12,9 +12,11 @@ Two layouts (the model picks one, `V4CacheSpec.bounded`):
   block tables, prefix caching and preemption work as for any model. Memory grows with every token.
 - bounded: per layer a window tensor [blocks, block_size, window width] whose blocks a sequence holds only
   while they overlap the last `keep_tokens` positions (engine/core/window_blocks.py frees the rest), and a
-  compressed tensor [aux_blocks, block_size, compressed width] in a second pool, addressed by the entry
-  index through the sequence's aux block table. Entries of every compressed layer type share that index
-  (HCA's rows past its own count stay unused: 1/rate_hca of a row per token, a small price for one table).
+  compressed tensor [aux_blocks, block_size, compressed width] in a second pool, addressed through the
+  sequence's aux block table by the index of the entry's closing token at the finest rate `entry_rate`:
+  entry w of rate r sits at (w + 1) * r / entry_rate - 1 (HCA's rows at other indices stay unused: 1/rate_hca
+  of a row per token, a small price for one table). So aux block j depends only on the tokens before
+  (j + 1) * block_size * entry_rate, and a full aux block can be shared by prefix caching like a token block.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class V4CacheSpec:
     entry_rate: int = 0
     aux_per_block: float = 0.0
     replay_span: int = 0  # tokens a preempted sequence recomputes (core/window_blocks.py)
+    sliding_width: int = 0  # row width of a sliding-only layer (what an MTP draft layer adds)
 
     @property
     def _elem(self) -> int:
@@ -153,6 +156,17 @@ class V4CacheSpec:
         entries = num_tokens // self.entry_rate if self.entry_rate else 0
         return window + -(-entries // self.block_size) * self.aux_bytes_per_block
 
+    def with_draft_layer(self) -> V4CacheSpec:
+        """This layout plus one sliding-only layer last (the MTP draft's, engine/spec_decode/): same blocks,
+        slots and tables. Bounded: a replay must also make the draft layer's window exact, `keep_tokens`
+        more positions (its rows read the target's last streams, exact only `num_layers * keep` in)."""
+        return dataclasses.replace(
+            self,
+            window_dims=self.window_dims + (self.sliding_width,),
+            compressed_dims=self.compressed_dims + (0,),
+            replay_span=self.replay_span + self.keep_tokens if self.bounded else 0,
+        )
+
     def allocate(self, num_blocks: int, device: torch.device | str) -> list:
         """Zero-filled caches: per layer a tensor (full) or a (window, compressed) pair (bounded)."""
         bs, n_aux = self.block_size, self.aux_blocks(num_blocks)
@@ -178,14 +192,20 @@ def v4_cache_spec(
 ) -> V4CacheSpec:
     """The full layout, or the bounded one sized for sequences of `max_model_len` tokens."""
     layouts = [entry_layout(cfg, i) for i in range(cfg.num_hidden_layers)]
+    sliding = V4EntryLayout(cfg.head_dim, 0, 0).window_width
     if not bounded:
         return V4CacheSpec(
             tuple(x.window_width + x.compressed_width for x in layouts),
             tuple(0 for _ in layouts),
             block_size,
             dtype,
+            sliding_width=sliding,
         )
     keep, rate = keep_tokens(cfg), entry_rate(cfg)
+    odd = sorted(r for k, r in cfg.compress_rates if k in cfg.layer_types and r % rate)
+    if odd:
+        raise ValueError(f"config.json: compression rates {odd} are not multiples of the finest ({rate}), "
+                         "which the bounded cache indexes its compressed entries by")
     spec = V4CacheSpec(
         tuple(x.window_width for x in layouts),
         tuple(x.compressed_width for x in layouts),
@@ -194,6 +214,7 @@ def v4_cache_spec(
         True,
         keep,
         rate,
+        sliding_width=sliding,
     )
     length = max_model_len or cfg.max_position_embeddings
     entries = length // rate if rate else 0

@@ -4,9 +4,11 @@ Each decoder layer keeps `hc_mult` residual streams (manifold-constrained hyper-
 engine/layers/hyper_connections.py) around a V4 attention block (engine/layers/v4_attention.py: sliding
 window + CSA or HCA compressed branch per `layer_types`) and a MoE block (engine/layers/hash_moe.py:
 hash-routed for `hash_moe` layers, top-k otherwise). The model chooses its own KV-cache layout
-(`kv_cache_spec` / `allocate_kv_cache`, engine/layers/v4_cache.py): every token's rows when prefix caching
-is on, else the bounded window + compressed pools (`configure_kv_cache`, engine/core/window_blocks.py).
-MTP modules in the checkpoint are loaded and kept aside in `mtp_weights` (no V4 drafter uses them yet).
+(`kv_cache_spec` / `allocate_kv_cache`, engine/layers/v4_cache.py): the bounded window + compressed pools
+with or without prefix caching (`configure_kv_cache`, engine/core/window_blocks.py).
+MTP modules in the checkpoint are loaded and kept aside in `mtp_weights`; with MTP drafting on, the draft
+(engine/spec_decode/v4_mtp_model.py) builds itself from them and sets `keep_streams`, so that `forward`
+leaves the final `hc_mult` streams (what DeepSeek's MTP block reads, before `hc_head`) in `last_streams`.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ class DeepseekV4ForCausalLM(PagedCausalLM):
             self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self._bounded, self._cache_len = False, max_positions
+        self.keep_streams = False
+        self.last_streams: torch.Tensor | None = None
 
     @property
     def max_positions(self) -> int:
@@ -123,13 +127,17 @@ class DeepseekV4ForCausalLM(PagedCausalLM):
         for layer, cache in zip(layers, kv_caches):
             rope = main if layer.uses_main_rope else compress
             streams = layer(streams, input_ids, positions, rope, self.compress_rotary, meta, cache)
+        if self.keep_streams:  # the MTP draft's input, read right after this call (spec_decode/proposer.py)
+            self.last_streams = streams
         return self.model.norm(self.model.hc_head(streams))
 
     def configure_kv_cache(self, enable_prefix_caching: bool, max_model_len: int | None = None) -> None:
-        """Pick the cache layout before the engine sizes it (engine/layers/v4_cache.py): with prefix caching
-        every token's rows stay (shareable); without, the bounded window + compressed pools, sized for
-        sequences of `max_model_len` tokens."""
-        self._bounded = not enable_prefix_caching
+        """Pick the cache layout before the engine sizes it (engine/layers/v4_cache.py): the bounded window
+        + compressed pools, sized for sequences of `max_model_len` tokens, with or without prefix caching
+        (core/window_blocks.py says what a hit shares). The full layout (every token's rows) stays for
+        configs whose compression rates are not multiples of the finest one."""
+        rates = [self.config.rate(k) for k in set(self.config.layer_types) - {SLIDING}]
+        self._bounded = all(r % min(rates) == 0 for r in rates)
         self._cache_len = max_model_len
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> V4CacheSpec:

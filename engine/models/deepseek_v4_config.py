@@ -65,6 +65,9 @@ class DeepseekV4Config(ModelConfig):
     routed_scaling_factor: float
     swiglu_limit: float
     num_mtp_layers: int = 0
+    # The MTP module's attention kind: DeepSeek's legacy `compress_ratios` lists one more entry per MTP
+    # layer (0 in the released V4 configs); transformers' `layer_types` stops at num_hidden_layers.
+    mtp_layer_type: str = SLIDING
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,6 +123,10 @@ class DeepseekV4Config(ModelConfig):
             raise ValueError(
                 f"config.json: num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"n_routed_experts={self.n_routed_experts}"
+            )
+        if self.mtp_layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"config.json: the MTP layer's type {self.mtp_layer_type!r} is not one of {LAYER_TYPES}"
             )
         if self.num_mtp_layers < 0:
             raise ValueError(f"config.json: num_nextn_predict_layers={self.num_mtp_layers} must be >= 0")
@@ -211,6 +218,7 @@ class DeepseekV4Config(ModelConfig):
             routed_scaling_factor=f.float("routed_scaling_factor", default=1.5),
             swiglu_limit=f.float("swiglu_limit", default=10.0),
             num_mtp_layers=int(raw.get("num_nextn_predict_layers", 1) or 0),
+            mtp_layer_type=layer_types[n] if len(layer_types) > n else SLIDING,
         )
 
 

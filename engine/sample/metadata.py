@@ -17,6 +17,7 @@ import torch
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import to_int64
+from deepinfer.kernels.reference.sampling import pack_row_params
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -65,6 +66,11 @@ class SamplingMetadata:
     blocked_rows: torch.Tensor | None     # int64 [B]
     blocked_tokens: torch.Tensor | None   # int64 [B]
     num_logprobs: list[int | None]        # per row: params.logprobs
+    # For the one-pass sampling kernel (kernels/sampling.py), built when `for_kernel`: int64 [3, S] of
+    # (seed, position, float32 bits of T) per row, T = 0 for greedy rows and -1 (skip) for rows that use
+    # top-k/top-p/min-p; `filtered` holds those rows' draw fields (greedy_rows empty), None if there are none.
+    row_params: torch.Tensor | None = None
+    filtered: SamplingMetadata | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -106,8 +112,12 @@ class SamplingMetadata:
         prompt_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         output_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         eos_token_ids: SequenceABC[SequenceABC[int]] | None = None,
+        for_kernel: bool | None = None,
     ) -> SamplingMetadata:
-        """Metadata from explicit per-row values. Token-id lists default to empty when not given."""
+        """Metadata from explicit per-row values. Token-id lists default to empty when not given.
+
+        `for_kernel` (default: on CUDA devices) also builds `row_params`/`filtered` for the sampling
+        kernel."""
         n = len(params)
         if len(seeds) != n or len(positions) != n:
             raise ValueError(
@@ -121,42 +131,75 @@ class SamplingMetadata:
         outputs = empty if output_token_ids is None else output_token_ids
         eos = empty if eos_token_ids is None else eos_token_ids
 
-        def idx(values: list[int]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.int64), device)
-
-        def f32_on(values: list[float]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.float32), device)
-
-        def sub_idx(values: list[int]) -> torch.Tensor | None:
-            return idx(values) if values else None
-
         sample = [i for i, p in enumerate(params) if not p.greedy]
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        sp = [params[i] for i in sample]
-        top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in sp]
-        use_top_p = [j for j, p in enumerate(sp) if p.top_p < 1.0]
-        top_p_set = set(use_top_p)
-        top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]
+        if for_kernel is None:
+            for_kernel = device.type == "cuda"
+        row_params = filtered = None
+        if for_kernel:
+            filt = [i for i in sample if _uses_filter(params[i], vocab_size)]
+            skip = set(filt)
+            temps = [-1.0 if i in skip else float(params[i].temperature) for i in range(n)]
+            row_params = to_device(pack_row_params(temps, [to_int64(x) for x in seeds],
+                                                   [int(x) for x in positions]), device)
+            if filt:
+                filtered = cls(num_rows=n, vocab_size=vocab_size, device=device, greedy_rows=_idx([], device),
+                               **_draw_fields(params, seeds, positions, filt, vocab_size, device),
+                               penalties=None, blocked_rows=None, blocked_tokens=None,
+                               num_logprobs=[None] * n)
         return cls(
             num_rows=n,
             vocab_size=vocab_size,
             device=device,
-            greedy_rows=idx(greedy),
-            sample_rows=idx(sample),
-            temperature=f32_on([float(p.temperature) for p in sp]),
-            seeds=idx([to_int64(seeds[i]) for i in sample]),
-            positions=idx([int(positions[i]) for i in sample]),
-            top_k=idx(top_k),
-            top_p=to_device(torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64), device),
-            min_p=f32_on([float(p.min_p) for p in sp]),
-            top_p_idx=sub_idx(use_top_p),
-            top_k_only_idx=sub_idx(top_k_only),
-            top_k_only_max=max((top_k[j] for j in top_k_only), default=0),
-            min_p_idx=sub_idx([j for j, p in enumerate(sp) if p.min_p > 0.0]),
+            greedy_rows=_idx(greedy, device),
+            **_draw_fields(params, seeds, positions, sample, vocab_size, device),
             penalties=_penalty_data(params, prompts, outputs, vocab_size, device),
             **_blocked(params, eos, positions, vocab_size, device),
             num_logprobs=[p.logprobs for p in params],
+            row_params=row_params,
+            filtered=filtered,
         )
+
+
+def _idx(values: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def _uses_filter(p: SamplingParams, vocab_size: int) -> bool:
+    """True when a sampled row narrows its distribution (top-k, top-p or min-p)."""
+    return (p.top_k != -1 and p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _draw_fields(
+    params: list[SamplingParams], seeds: SequenceABC[int], positions: SequenceABC[int], sample: list[int],
+    vocab_size: int, device: torch.device,
+) -> dict[str, object]:
+    """The fields of SamplingMetadata indexed like sample_rows, for the batch rows `sample`."""
+
+    def f32_on(values: list[float]) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.float32), device)
+
+    def sub_idx(values: list[int]) -> torch.Tensor | None:
+        return _idx(values, device) if values else None
+
+    sp = [params[i] for i in sample]
+    top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in sp]
+    use_top_p = [j for j, p in enumerate(sp) if p.top_p < 1.0]
+    top_p_set = set(use_top_p)
+    top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]
+    return {
+        "sample_rows": _idx(sample, device),
+        "temperature": f32_on([float(p.temperature) for p in sp]),
+        "seeds": _idx([to_int64(seeds[i]) for i in sample], device),
+        "positions": _idx([int(positions[i]) for i in sample], device),
+        "top_k": _idx(top_k, device),
+        "top_p": to_device(torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64), device),
+        "min_p": f32_on([float(p.min_p) for p in sp]),
+        "top_p_idx": sub_idx(use_top_p),
+        "top_k_only_idx": sub_idx(top_k_only),
+        "top_k_only_max": max((top_k[j] for j in top_k_only), default=0),
+        "min_p_idx": sub_idx([j for j, p in enumerate(sp) if p.min_p > 0.0]),
+    }
 
 
 def _penalty_data(

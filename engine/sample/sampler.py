@@ -36,13 +36,17 @@ tokens with p_i >= min_p * p_max, computed as exp(x_i - x_max) >= min_p (no norm
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.penalties import apply_blocked, apply_penalties
 from deepinfer.engine.sample.rng import gumbel_noise, row_keys
+from deepinfer.kernels.reference.sampling import apply_bitmask_ref
 
 
 class SampledLogprobs(dict[int, float]):
@@ -143,6 +147,18 @@ def _fixed_point_mass(x: torch.Tensor, top: torch.Tensor, vocab: int) -> torch.T
     return (torch.exp(x - _finite(top)) * (2.0 ** fixed_point_bits(vocab))).to(torch.int64)
 
 
+@cache
+def _triton_ok() -> bool:
+    # Cached per process: whether Triton imports does not change while the engine runs.
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install counts as absent: the torch path serves
+        return False
+    return True
+
+
 def _finite(top: torch.Tensor) -> torch.Tensor:
     # A row of all -inf would give nan from -inf - -inf; shift by 0 instead (every mass is then 0).
     return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -154,10 +170,42 @@ class Sampler:
     Lower-precision float logits are upcast to float32 (exactly) first.
 
     At least one token per row must have a finite logit (the structured-output mask never removes all).
+
+    `bitmask` (int32 [slots, ceil(V/32)]) with `bitmask_slots` (int [S], -1 = unconstrained) masks rows here
+    instead of in the caller: disallowed tokens count as -inf logits everywhere, logprobs included.
+
+    The one-pass kernel (kernels/sampling.py) draws the greedy and plain-temperature rows when `use_kernel`
+    allows it (None: CUDA logits, Triton present, env DEEPINFER_DISABLE_SAMPLING_KERNEL unset or 0; True:
+    any device, e.g. CPU under TRITON_INTERPRET=1; False: never) and the metadata was built `for_kernel`.
+    It gives the torch path's ids bit for bit (tests/kernels/test_sampling_*.py); rows with top-k/top-p/
+    min-p keep the torch draw, run on those rows only, and penalties/min_tokens are applied by torch before.
     """
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        if use_kernel is None and os.environ.get("DEEPINFER_DISABLE_SAMPLING_KERNEL", "0") not in ("", "0"):
+            use_kernel = False
+        self.use_kernel = use_kernel
+
+    def _kernel_on(self, logits: torch.Tensor, meta: SamplingMetadata) -> bool:
+        if meta.row_params is None or self.use_kernel is False:
+            return False
+        if self.use_kernel is None:
+            return logits.is_cuda and _triton_ok()
+        return True
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None,
+                 bitmask_slots: torch.Tensor | None = None) -> SamplerOutput:
         self._check(logits, meta)
+        if (bitmask is None) != (bitmask_slots is None):
+            raise ValueError("Sampler: pass bitmask and bitmask_slots together (or neither)")
+        kernel = self._kernel_on(logits, meta)
+        # The kernel masks in its one pass; every other consumer of the logits needs them masked first.
+        fuse_mask = kernel and meta.filtered is None and not meta.needs_logprobs
+        if bitmask is not None and bitmask_slots is not None and not fuse_mask:
+            logits = apply_bitmask_ref(logits.to(torch.float32), bitmask, bitmask_slots)
+            bitmask = bitmask_slots = None
+        if kernel:
+            return self._kernel_call(logits, meta, bitmask, bitmask_slots)
         logits = logits.to(torch.float32)   # exact for bf16/fp16 logits; a no-op for float32
         work = logits
         if meta.penalties is not None or meta.blocked_rows is not None:
@@ -179,6 +227,28 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * meta.num_rows
         if meta.needs_logprobs:
             logprobs = self._logprobs(logits, token_ids, meta)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _kernel_call(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None,
+                     bitmask_slots: torch.Tensor | None) -> SamplerOutput:
+        from deepinfer.kernels.sampling import sample_tokens
+
+        assert meta.row_params is not None
+        work = logits if logits.stride(-1) == 1 else logits.contiguous()
+        if meta.penalties is not None or meta.blocked_rows is not None:
+            work = logits.to(torch.float32, copy=True)
+            if meta.penalties is not None:
+                apply_penalties(work, meta.penalties)
+            if meta.blocked_rows is not None and meta.blocked_tokens is not None:
+                apply_blocked(work, meta.blocked_rows, meta.blocked_tokens)
+        token_ids = sample_tokens(work, meta.row_params, bitmask, bitmask_slots)
+        if meta.filtered is not None:
+            # Rows with top-k/top-p/min-p: the kernel skipped them (T < 0); the torch draw fills them in.
+            drawn = self._draw(work.to(torch.float32), meta.filtered)
+            token_ids.index_copy_(0, meta.filtered.sample_rows, drawn)
+        logprobs: list[dict[int, float] | None] = [None] * meta.num_rows
+        if meta.needs_logprobs:
+            logprobs = self._logprobs(logits.to(torch.float32), token_ids, meta)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod

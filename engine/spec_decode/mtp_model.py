@@ -70,7 +70,7 @@ class MTPDraftModel(nn.Module):
         cfg = target.config
         # The loader skips layers >= num_hidden_layers when the config counts MTP layers; here they are ours.
         self.config = dataclasses.replace(cfg, num_mtp_layers=0)
-        self.layer_index = cfg.num_hidden_layers
+        self.layer_index = self.target_num_layers = cfg.num_hidden_layers
         self.ops = target.ops
         self.rotary = target.rotary
         self.model = nn.Module()
@@ -91,6 +91,10 @@ class MTPDraftModel(nn.Module):
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         init_dummy_weights(self, seed)
+
+    def target_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the draft reads from the target's step: its final-normed hidden states as they are."""
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
                 meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:

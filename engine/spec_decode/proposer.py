@@ -17,6 +17,7 @@ slots reserved for the verify step (`BlockManager.append_slots`); without a free
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.engine.spec_decode.mtp_model import MTPDraftModel
 from deepinfer.engine.spec_decode.policy import DraftPolicy, SpecStats
+from deepinfer.engine.spec_decode.v4_mtp_model import V4MTPDraftModel
 from deepinfer.engine.spec_decode.verify import uses_penalties
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -73,9 +75,9 @@ def single_token_meta(seqs: list[Sequence], positions: list[int], block_size: in
 
 
 class MTPProposer:
-    """Runs the draft model over its own latent cache layer and sets `seq.draft_token_ids`."""
+    """Runs the draft model over its own cache layer and sets `seq.draft_token_ids`."""
 
-    def __init__(self, draft: MTPDraftModel, cache: torch.Tensor, block_manager: BlockManager,
+    def __init__(self, draft: MTPDraftModel | V4MTPDraftModel, cache: Any, block_manager: BlockManager,
                  policy: DraftPolicy, stats: SpecStats, vocab_size: int, device: torch.device) -> None:
         self.draft = draft
         self.cache = cache
@@ -93,7 +95,8 @@ class MTPProposer:
         scheduler appends `committed` (seq_id -> tokens the step commits)."""
         ids = torch.tensor(shifted_inputs(out, committed), dtype=torch.int64).to(self.device)
         self.stats.draft_forwards += 1
-        return self.draft(ids, positions, target_hidden, meta, self.cache)
+        features = self.draft.target_features(target_hidden)   # V3: the hidden states; V4: the streams
+        return self.draft(ids, positions, features, meta, self.cache)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], hidden: torch.Tensor, limits: list[int]) -> None:

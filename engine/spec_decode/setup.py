@@ -4,9 +4,10 @@ The target's loader skips the MTP layers; `MTPLoader.collect` keeps them (only t
 weights stream by, so the checkpoint is read once. Whatever is missing turns MTP off with a warning, never an
 error: drafting can only ever change speed, so running without it is always correct.
 
-The draft's KV cache is one more latent layer in the model's own cache layout (`num_layers` grows by one):
-the same blocks, slots, block tables, prefix-cache hits and preemptions serve the target layers and the MTP
-layer alike.
+The draft's KV cache is one more layer in the model's own cache layout (MLA: `num_layers` grows by one; V4:
+one more sliding-window layer, `V4CacheSpec.with_draft_layer`): the same blocks, slots, block tables,
+prefix-cache hits and preemptions serve the target layers and the MTP layer alike. DeepSeek-V4 checkpoints
+(`mtp.K.*`, engine/spec_decode/v4_mtp_model.py) go through `V4MTPLoader`, DeepSeek-V3's through `MTPLoader`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from deepinfer.engine.layers.v4_cache import V4CacheSpec
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.deepseek import DeepseekForCausalLM
 from deepinfer.engine.models.deepseek_config import DEEPSEEK_V3, DeepseekConfig
+from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.engine.models.deepseek_v4_config import DeepseekV4Config
 from deepinfer.engine.spec_decode.config import MTP_ENV, MTPConfig, resolve_mtp_option
 from deepinfer.engine.spec_decode.mtp_model import _OWN_EMBED, _OWN_HEAD, MTPDraftModel, mtp_layer_index
+from deepinfer.engine.spec_decode.v4_mtp_model import V4MTPLoader
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -36,12 +41,15 @@ class MTPLoader:
         self.tensors: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def for_model(cls, option: bool | MTPConfig | None, mc: ModelConfig, model: Any) -> MTPLoader | None:
+    def for_model(cls, option: bool | MTPConfig | None, mc: ModelConfig, model: Any
+                  ) -> MTPLoader | V4MTPLoader | None:
         """A loader when MTP is asked for (option, else $DEEPINFER_ENABLE_MTP_VARLEN) and `model` can draft
         with it; None otherwise, with a warning when it was asked for but cannot be had."""
         cfg = resolve_mtp_option(option)
         if cfg is None:
             return None
+        if isinstance(mc, DeepseekV4Config):
+            return _v4_loader(cfg, mc, model)
         if not isinstance(mc, DeepseekConfig):
             _off(f"MTP drafting is built for DeepSeek-V3-architecture checkpoints; {mc.architecture} is not "
                  "one (no multi-token-prediction layers here)")
@@ -95,9 +103,22 @@ class MTPLoader:
 
 
 def attach_draft_cache(spec: Any) -> Any:
-    """The model's cache layout (MLA's latent cache) with the draft's latent layer added as its last layer:
-    same blocks, slots and block tables; each block simply holds one more layer."""
+    """The model's cache layout with the draft's layer added as its last layer: same blocks, slots and block
+    tables; each block simply holds one more layer (MLA's latent; V4's sliding rows, `with_draft_layer`)."""
+    if isinstance(spec, V4CacheSpec):
+        return spec.with_draft_layer()
     return dataclasses.replace(spec, num_layers=spec.num_layers + 1)
+
+
+def _v4_loader(cfg: MTPConfig, mc: DeepseekV4Config, model: Any) -> V4MTPLoader | None:
+    if not isinstance(model, DeepseekV4ForCausalLM):
+        _off(f"the draft runs beside a single-device {mc.architecture} model only, not beside "
+             f"{type(model).__name__}")
+        return None
+    if mc.num_mtp_layers < 1:
+        _off(f"the checkpoint's config counts no MTP layers (num_nextn_predict_layers=0, {mc.architecture})")
+        return None
+    return V4MTPLoader(cfg, model)
 
 
 def _off(why: str) -> None:

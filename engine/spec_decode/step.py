@@ -9,7 +9,7 @@ per sequence. Outputs are byte-identical to a run without MTP in deterministic m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -19,6 +19,7 @@ from deepinfer.engine.spec_decode.config import MTPConfig
 from deepinfer.engine.spec_decode.mtp_model import MTPDraftModel
 from deepinfer.engine.spec_decode.policy import DraftPolicy, SpecStats, stats_dict
 from deepinfer.engine.spec_decode.proposer import MTPProposer
+from deepinfer.engine.spec_decode.v4_mtp_model import V4MTPDraftModel
 from deepinfer.engine.spec_decode.verify import row_sequences, sample_and_verify
 
 if TYPE_CHECKING:
@@ -29,12 +30,12 @@ if TYPE_CHECKING:
 class SpecDecoder:
     """Owns the draft model, its cache layer, the draft policy and the statistics of one engine."""
 
-    def __init__(self, cfg: MTPConfig, draft: MTPDraftModel, cache: torch.Tensor, scheduler: Scheduler,
-                 runner: ModelRunner) -> None:
+    def __init__(self, cfg: MTPConfig, draft: MTPDraftModel | V4MTPDraftModel, cache: Any,
+                 scheduler: Scheduler, runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.stats = SpecStats()
-        self.policy = DraftPolicy(cfg, draft.config.num_hidden_layers)
+        self.policy = DraftPolicy(cfg, draft.target_num_layers)
         self.proposer = MTPProposer(draft, cache, scheduler.block_manager, self.policy, self.stats,
                                     runner.vocab_size, runner.device)
         self.active = True

@@ -8,6 +8,9 @@ calls are no-ops (or None) until a constrained request has made the manager exis
 
 `DEEPINFER_MASK_PREFETCH=0` turns off filling a request's next mask as soon as its grammar advances (masks
 are then filled when the step samples; outputs are the same): for measuring what the prefetch hides.
+`DEEPINFER_MASK_CACHE=0` turns off the exact mask cache by token history (mask_cache.py; same masks).
+`DEEPINFER_MASK_THREADS=N` sets llguidance's mask-filling threads (default: half the CPUs, at most 16), for
+sweeping it on a host: its executor does not scale with threads on every machine.
 """
 
 from __future__ import annotations
@@ -46,10 +49,15 @@ class LazyStructuredOutputs:
         if self._manager is None:
             from deepinfer.engine.structured.manager import StructuredOutputManager
 
+            threads = os.environ.get("DEEPINFER_MASK_THREADS")
+            if threads is not None and not threads.isdigit():
+                raise ValueError(f"DEEPINFER_MASK_THREADS={threads!r}: must be a positive integer")
             self._manager = StructuredOutputManager(
                 self._tokenizer_json, self._vocab_size, self._eos_token_ids,
+                max_threads=int(threads) if threads is not None else None,
                 max_model_len=self._max_model_len,
                 prefetch=os.environ.get("DEEPINFER_MASK_PREFETCH", "1") != "0",
+                mask_cache_size=0 if os.environ.get("DEEPINFER_MASK_CACHE", "1") == "0" else 2048,
             )
         return self._manager
 

@@ -4,7 +4,8 @@ Life of a constrained request (the engine reaches this through structured/lazy.p
 on the first constrained request):
   1. `validate(params)` when the request is made: compiles the constraint (cached by a canonical hash of
      kind + spec, shared by all requests) and raises ValueError naming the problem before any generation.
-  2. `add(seq)` when it enters the engine: sets `seq.grammar` to a fresh `GrammarState`.
+  2. `add(seq)` when it enters the engine: sets `seq.grammar` to a fresh `GrammarState` and queues the
+     fill of its first mask (the initial state's: a copy from the mask cache after the first request).
   3. After sampling, `advance(seq, token)` moves the matcher on and says whether the grammar is complete;
      the finish rules (core/finish.py) then finish the request with "stop". EOS is allowed by the mask
      only where the grammar can end. A request that goes on has the fill of its next mask queued at once
@@ -16,6 +17,10 @@ on the first constrained request):
   5. `free(seq)` when the request finishes or is aborted (its slot is reused once its fill is done).
 `new_matcher`, `accept`, `is_terminated` and `fill_bitmask(_async)` are the same steps on a bare
 `GrammarState`, for callers without engine sequences (tests, random walks, benchmarks).
+
+Rows on the same token history share one fill (mask_cache.py: an exact cache of the masks of shared
+histories, e.g. every request's first mask and the schema's forced prefix); `mask_cache_size=0` turns it
+off (same masks, for measuring it and for the tests that compare the two).
 
 Preemption / recompute and prefix-cache hits need nothing here: a matcher advances only on tokens the
 request sampled (once each), never on recomputed or cached positions, so its state always equals "the
@@ -35,7 +40,6 @@ sampled — a sampler bug — or a grammar-library limit was hit; llguidance the
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +54,7 @@ from deepinfer.engine.structured.llguidance_backend import (
     LLGuidanceGrammar,
     LLGuidanceMatcher,
 )
+from deepinfer.engine.structured.mask_cache import HistoryNode, MaskCache
 from deepinfer.engine.structured.mask_slots import MaskSlots
 from deepinfer.engine.structured.steering import (
     MIN_STEER_TOKENS,
@@ -57,13 +62,10 @@ from deepinfer.engine.structured.steering import (
     JsonLexState,
     steering_threshold,
 )
-from deepinfer.kernels.masking import apply_token_bitmask_
+from deepinfer.engine.structured.step_masks import MaskRow, StepMasks
 
 if TYPE_CHECKING:
     from deepinfer.engine.core.sequence import Sequence as EngineSequence
-
-# (row index in the bitmask, the request's grammar state, its remaining token budget or None)
-MaskRow = tuple[int, "GrammarState", "int | None"]
 
 
 class GrammarState:
@@ -71,9 +73,10 @@ class GrammarState:
 
     slot: its row in the manager's slot buffer (-1: none yet); fill: the fill of that row from the
     matcher's current state (None: not queued since the last token); steered: the row was narrowed by
-    budget steering after that fill (a second masking of the same state refills it first)."""
+    budget steering after that fill (a second masking of the same state refills it first); node: its token
+    history in the manager's mask cache (None: not cached, e.g. a bare state or a matcher in error)."""
 
-    __slots__ = ("matcher", "spec", "steer_below", "lex", "slot", "fill", "steered")
+    __slots__ = ("matcher", "spec", "steer_below", "lex", "slot", "fill", "steered", "node")
 
     def __init__(self, matcher: LLGuidanceMatcher, spec: GrammarSpec, steer_below: int) -> None:
         self.matcher = matcher
@@ -84,6 +87,7 @@ class GrammarState:
         self.slot = -1
         self.fill: Future | None = None
         self.steered = False
+        self.node: HistoryNode | None = None
 
 
 def _tokenizer_json(tokenizer: Any) -> str:
@@ -122,65 +126,6 @@ def spec_of(params: SamplingParams) -> GrammarSpec | None:
     return None
 
 
-class StepMasks:
-    """The masks of one step: rows of the logits and the slots their masks are (being) filled in."""
-
-    def __init__(self, manager: StructuredOutputManager, rows: list[MaskRow]) -> None:
-        self._manager = manager
-        self._rows = rows
-        self.rows = [r for r, _, _ in rows]
-        self._ready = False
-
-    @property
-    def bitmask(self) -> torch.Tensor:
-        """int32 [len(rows), words]: the step's masks in row order (a copy; for inspection and tests)."""
-        self.wait()
-        return self._manager.slots.buffer[[st.slot for _, st, _ in self._rows]].clone()
-
-    def wait(self) -> None:
-        """Wait for the rows still being filled, then narrow the rows short of budget (steering)."""
-        if self._ready:
-            return
-        m = self._manager
-        t0 = time.perf_counter()
-        for _, st, _ in self._rows:
-            if st.fill is not None:
-                st.fill.result()
-        m.wait_seconds += time.perf_counter() - t0
-        m.mask_steps += 1
-        m.mask_rows += len(self._rows)
-        if m.steering is not None:
-            view = m.slots.buffer.numpy()
-            for _, st, remaining in self._rows:
-                if remaining is None or remaining > st.steer_below or st.matcher.is_terminated():
-                    continue
-                if st.steered:  # narrowed before from this same state: start again from its grammar mask
-                    st.matcher.fill_bitmask(m.slots.buffer[st.slot])
-                st.steered = True
-                if st.lex is not None:
-                    m.steering.steer_json_(view[st.slot], st.lex)
-                else:
-                    m.steering.steer_lookahead_(view[st.slot], st.matcher)
-        self._ready = True
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Wait for the fills, then set disallowed logits of the constrained rows to -inf (in place)."""
-        self.wait()
-        slots = self._manager.slots
-        index = torch.tensor([self.rows, [st.slot for _, st, _ in self._rows]], dtype=torch.int64)
-        if logits.device.type == "cpu":
-            apply_token_bitmask_(logits, slots.buffer, index[0], index[1])
-            return
-        # Only the slot rows up to the highest one used travel; pinned, so the copies are asynchronous.
-        hi = int(index[1].max()) + 1
-        bitmask = slots.buffer[:hi].to(logits.device, non_blocking=True)
-        index = index.pin_memory().to(logits.device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        slots.copied(done)
-        apply_token_bitmask_(logits, bitmask, index[0], index[1])
-
-
 class StructuredOutputManager:
     """Compiles and caches constraints for one tokenizer + model vocab size and computes token masks.
 
@@ -190,18 +135,22 @@ class StructuredOutputManager:
     max_threads: threads that fill masks in parallel. steering: budget steering on (see steering.py).
     max_model_len: when given, the remaining budget also counts the model-length limit.
     prefetch: queue a request's next mask as soon as its grammar advances (off: only when the step samples;
-    same masks, for measuring what the prefetch hides).
+    same masks, for measuring what the prefetch hides). mask_cache_size: masks of shared token histories
+    kept (mask_cache.py; 0: off, every row computed by llguidance).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  max_threads: int | None = None, *, steering: bool = True, cache_size: int = 1024,
-                 max_model_len: int | None = None, prefetch: bool = True) -> None:
+                 max_model_len: int | None = None, prefetch: bool = True,
+                 mask_cache_size: int = 2048) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
         if max_threads is not None and max_threads < 1:
             raise ValueError(f"max_threads={max_threads}: must be >= 1 or None")
         if cache_size < 1:
             raise ValueError(f"cache_size={cache_size}: must be >= 1")
+        if mask_cache_size < 0:
+            raise ValueError(f"mask_cache_size={mask_cache_size}: must be >= 0 (0 turns the mask cache off)")
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -216,10 +165,15 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-grammar")
         # Engine requests' masks live in per-request slots, filled ahead of the step (mask_slots.py).
-        self.slots = MaskSlots(self.backend)
+        self.mask_cache = MaskCache(self.backend.words, max_masks=mask_cache_size)
+        self.slots = MaskSlots(self.backend, cache=self.mask_cache if mask_cache_size > 0 else None)
         self.wait_seconds = 0.0    # time sampling waited for fills (the part of filling not overlapped)
         self.mask_steps = 0
         self.mask_rows = 0
+        # Per masked step (fill seconds since the previous step, wait seconds, rows), bounded: the benchmark
+        # reports medians and tails from it, since a few slow steps can dominate the mean.
+        self.step_log: list[tuple[float, float, int]] = []
+        self._fill_mark = 0.0
 
     @property
     def bitmask_words(self) -> int:
@@ -306,18 +260,36 @@ class StructuredOutputManager:
             if st.slot < 0:
                 st.slot = self.slots.acquire()
             if st.fill is None:
-                st.fill = self.slots.submit(st.slot, st.matcher)
+                st.fill = self.slots.submit(st.slot, st.matcher, st.node)
                 st.steered = False
             rows.append((i, st, self.remaining_budget(seq)))
         return StepMasks(self, rows) if rows else None
 
+    def use_mask_cache(self, on: bool) -> None:
+        """Serve fills from the mask cache (on) or compute every row with llguidance (off; same masks)."""
+        if on and self.mask_cache.enabled:
+            self.slots.cache = self.mask_cache
+        else:
+            self.slots.wait_idle()
+            self.slots.cache = None
+
+    def record_step(self, waited: float, rows: int) -> None:
+        """Log one masked step: the worker's fill time since the previous step, the wait, the rows."""
+        fill = self.slots.fill_seconds
+        if len(self.step_log) < 1_000_000:
+            self.step_log.append((fill - self._fill_mark, waited, rows))
+        self._fill_mark = fill
+
     def mask_stats(self) -> dict[str, float | int]:
-        """Cumulative mask counters: fill time on the worker, the part of it sampling waited for."""
+        """Cumulative mask counters: fill time on the worker, the part of it sampling waited for, and the
+        mask cache's lookups and hits (rows copied from a stored mask or from a row of the same fill)."""
         fill = self.slots.fill_seconds
         return {"mask_steps": self.mask_steps, "mask_rows": self.mask_rows,
                 "fill_seconds": fill, "fill_batches": self.slots.fill_batches,
+                "filled_rows": self.slots.filled_rows,
                 "wait_seconds": self.wait_seconds,
-                "overlapped_fraction": max(0.0, 1.0 - self.wait_seconds / fill) if fill > 0 else 0.0}
+                "overlapped_fraction": max(0.0, 1.0 - self.wait_seconds / fill) if fill > 0 else 0.0,
+                **self.mask_cache.stats()}
 
     def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance on the sampled token; False if the grammar rejects it (the matcher is then in error)."""
@@ -325,6 +297,8 @@ class StructuredOutputManager:
             state.fill.exception()  # never advance a matcher under a fill in flight
             state.fill = None
         ok = state.matcher.accept_token(token_id)
+        if state.node is not None:  # a rejected token puts the matcher in error: off the history trie
+            state.node = self.mask_cache.step(state.node, token_id if ok else None)
         if ok and state.lex is not None and 0 <= token_id < len(self._token_bytes):
             state.lex.feed(self._token_bytes[token_id] or b"")
         return ok
@@ -343,7 +317,11 @@ class StructuredOutputManager:
         """Give a constrained request its grammar state (unconstrained requests are left alone)."""
         if seq.params.constrained:
             seq.grammar = self.new_matcher(seq.params)
-            seq.grammar.slot = self.slots.acquire()
+            state = seq.grammar
+            state.slot = self.slots.acquire()
+            state.node = self.mask_cache.start(state.spec.key)
+            if self.prefetch:  # the first mask is known now: fill it while the prompt is prefilled
+                state.fill = self.slots.submit(state.slot, state.matcher, state.node)
 
     def advance(self, seq: EngineSequence, token_id: int) -> bool:
         """Advance `seq`'s grammar on its newly sampled token; True when the grammar is now complete.
@@ -359,7 +337,7 @@ class StructuredOutputManager:
         if self.prefetch and not done and state.slot >= 0 and (remaining is None or remaining > 0):
             # The request samples again: fill its next mask now, while the engine goes on (the overlapped
             # loop is applying this step's tokens with the next forward already on the device).
-            state.fill = self.slots.submit(state.slot, state.matcher)
+            state.fill = self.slots.submit(state.slot, state.matcher, state.node)
             state.steered = False
         return done
 
@@ -369,6 +347,8 @@ class StructuredOutputManager:
         if state is not None:
             self.slots.release(state.slot, state.fill)
             state.slot, state.fill = -1, None
+            self.mask_cache.leave(state.node)
+            state.node = None
         seq.grammar = None
 
     def close(self) -> None:

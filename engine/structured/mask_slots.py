@@ -16,6 +16,10 @@ the worker needs the GIL once per batch, not per row, while the main thread is b
 A slot is reused only after its fill has finished (release is deferred to the fill's completion), and the
 worker waits for the last host->device copy of the buffer (`copied`) before it writes into it again, so a
 copy still in flight on the device never reads a half-written row.
+
+With a mask cache (mask_cache.py), a row whose token history has a stored mask is a copy of it, and rows
+of one batch on the same history are filled once and copied; only the rest go to llguidance. Per batch
+the worker records its fill time and rows (`batches`), so the benchmark reports the per-step distribution.
 """
 
 from __future__ import annotations
@@ -29,17 +33,22 @@ import torch
 
 if TYPE_CHECKING:
     from deepinfer.engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
+    from deepinfer.engine.structured.mask_cache import HistoryNode, MaskCache
+
+# (slot, matcher, its history node or None, the Future resolved once the row is written)
+_Queued = tuple[int, "LLGuidanceMatcher", "HistoryNode | None", Future]
 
 
 class MaskSlots:
     """The slot buffer, its free list and the fill queue of one StructuredOutputManager."""
 
-    def __init__(self, backend: LLGuidanceBackend, initial: int = 64) -> None:
+    def __init__(self, backend: LLGuidanceBackend, initial: int = 64, cache: MaskCache | None = None) -> None:
         self.backend = backend
+        self.cache = cache
         self._pin = torch.cuda.is_available()
         self.buffer = self._alloc(initial)
         self._free = list(range(initial - 1, -1, -1))
-        self._queue: list[tuple[int, LLGuidanceMatcher, Future]] = []
+        self._queue: list[_Queued] = []
         self._outstanding: set[Future] = set()
         self._running = False
         self._lock = threading.Lock()
@@ -49,6 +58,7 @@ class MaskSlots:
         self.fill_seconds = 0.0     # worker time inside llguidance fills
         self.filled_rows = 0
         self.fill_batches = 0
+        self.fill_log: list[tuple[float, float, int]] = []  # (end time, seconds, rows) per batch (bounded)
 
     def _alloc(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.backend.words), -1, dtype=torch.int32, pin_memory=self._pin)
@@ -84,11 +94,12 @@ class MaskSlots:
         fill.add_done_callback(give_back)
 
     # ---- fills ----------------------------------------------------------------------------------------
-    def submit(self, slot: int, matcher: LLGuidanceMatcher) -> Future:
-        """Queue the fill of `slot` from `matcher`'s current state; the Future resolves when it is written."""
+    def submit(self, slot: int, matcher: LLGuidanceMatcher, node: HistoryNode | None = None) -> Future:
+        """Queue the fill of `slot` from `matcher`'s current state (`node`: its token history in the mask
+        cache, None when it has none); the Future resolves when the row is written."""
         fut: Future = Future()
         with self._lock:
-            self._queue.append((slot, matcher, fut))
+            self._queue.append((slot, matcher, node, fut))
             self._outstanding.add(fut)
             start = not self._running
             self._running = True
@@ -109,20 +120,55 @@ class MaskSlots:
             t0 = time.perf_counter()
             error: BaseException | None = None
             try:
-                self.backend.fill_bitmasks([(slot, m) for slot, m, _ in batch], self.buffer)
+                self._fill(batch)
             except BaseException as e:  # handed to the waiting sampler, never lost on this thread
                 error = e
-            self.fill_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.fill_seconds += t1 - t0
             self.filled_rows += len(batch)
             self.fill_batches += 1
+            if len(self.fill_log) < 1_000_000:
+                self.fill_log.append((t1, t1 - t0, len(batch)))
             with self._lock:
-                for _, _, fut in batch:
+                for *_, fut in batch:
                     self._outstanding.discard(fut)
-            for _, _, fut in batch:
+            for *_, fut in batch:
                 if error is None:
                     fut.set_result(None)
                 else:
                     fut.set_exception(error)
+
+    def _fill(self, batch: list[_Queued]) -> None:
+        """Write the queued rows: stored masks and same-history duplicates by copy, the rest by llguidance."""
+        cache, buf = self.cache, self.buffer
+        if cache is None:
+            self.backend.fill_bitmasks([(slot, m) for slot, m, _, _ in batch], buf)
+            return
+        view = buf.numpy()
+        compute: list[tuple[int, LLGuidanceMatcher]] = []
+        # id(node) -> (node, the slot computed for it, the slots copied from that one)
+        groups: dict[int, tuple[HistoryNode, int, list[int]]] = {}
+        for slot, m, node, _ in batch:
+            if node is None:
+                compute.append((slot, m))
+                continue
+            group = groups.get(id(node))
+            if group is not None:
+                group[2].append(slot)
+                continue
+            mask = cache.lookup(node)
+            if mask is not None:
+                view[slot] = mask
+                continue
+            groups[id(node)] = (node, slot, [])
+            compute.append((slot, m))
+        self.backend.fill_bitmasks(compute, buf)
+        for node, slot, copies in groups.values():
+            for other in copies:
+                view[other] = view[slot]
+            if copies:
+                cache.count_shared(len(copies))
+            cache.store(node, view[slot], shared=bool(copies))
 
     def wait_idle(self) -> None:
         """Wait until no fill is queued or running."""

@@ -3,15 +3,18 @@
 Dataset plan, one block per part all the way: part tasks (PART_TASK_SCHEMA, one one-row block each) ->
 prepare (a task per part: read, prompt, tokenize, length-sort per sort window; fused by Ray Data) ->
 engine (an actor pool of runtime.engines actors, num_gpus=1 each on GPU clusters; each call takes one
-whole part and runs it in runtime.batch_size engine calls) -> the driver, which streams the result
-blocks with iter_batches as engines finish them and commits each part at once. Each engine actor has at
+whole part, runs it in runtime.batch_size engine calls and commits it from where it ran: see
+output/worker_commit.py) -> the driver, which streams the parts' reports with iter_batches as engines
+commit them, counting progress and the summary. Each engine actor has at
 most runtime.max_batches_in_flight parts queued, so a kill loses at most engines x that many parts, and
 the driver never holds more than the few result blocks it is committing. The actor pool starts its
 actors (and they build their models) while the first parts are read and tokenized.
 
 On a cluster of several nodes (`--address` / $RAY_ADDRESS) the engine actors are spread over the nodes
 that have the resources (SPREAD; one per GPU, or one CPU engine per node when runtime.engines is null),
-workers read their parts from the input's storage, and the driver commits each part. Nothing may assume
+workers read their parts from the input's storage and commit them to the output's storage. The first
+block is dispatched once every engine is up (when they all fit the cluster), so that the parts are
+spread over all of them rather than taken by whichever engine built its model first. Nothing may assume
 the driver's disk is visible to workers, so local input/output paths are refused there (exit 2) unless
 runtime.shared_filesystem says they are shared (`check_cluster_storage`). A lost worker node costs its
 parts in flight: Ray Data retries the tasks and restarts the engine actors elsewhere (max_restarts=-1);
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import SpecError
+from deepinfer.pipeline.output.worker_commit import CommitTarget
 from deepinfer.pipeline.parts import PartTask, tasks_table
 from deepinfer.pipeline.stages.plan import EngineActor, StagePlan, prepare_batch
 
@@ -217,9 +221,25 @@ def fit_engine_cpus(engine_cpus: float, engines: int, session: RaySession) -> fl
     return fitted if abs(fitted - _LIGHT_CPUS) > 1e-6 else fitted * 0.99
 
 
+# How long a run waits for all its engines to start before giving up (exit 75): model loads included.
+ENGINE_START_TIMEOUT_S = 1800
+
+
+def engines_fit(engines: int, engine_cpus: float, gpus_per_engine: int, use_gpu: bool,
+                session: RaySession) -> bool:
+    """Whether all `engines` can run at once on the cluster as it is (else the run starts with those
+    that fit, and Ray places the rest when resources free up)."""
+    if use_gpu:
+        return engines * gpus_per_engine <= session.num_gpus
+    per_node = [int((cpus - _LIGHT_CPUS) // engine_cpus) if engine_cpus > 0 else engines
+                for cpus in session.node_cpus]
+    return sum(max(n, 0) for n in per_node) >= engines
+
+
 def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
-            settings: EngineSettings) -> Iterator[pa.Table]:
-    """Yield ENGINE_SCHEMA tables, one per part as a rule, as the engines finish them (no order)."""
+            settings: EngineSettings, target: CommitTarget | None = None) -> Iterator[pa.Table]:
+    """Yield ENGINE_SCHEMA tables, one per part as a rule, as the engines finish them (no order); with
+    `target`, the engine actors commit each part themselves and yield REPORT_SCHEMA reports."""
     import ray.data
 
     if not parts:
@@ -228,6 +248,12 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     engines = engine_count(settings.engines, session, use_gpu,
                            plan.engine_kwargs.get("tensor_parallel_size", 1))
     engine_cpus = fit_engine_cpus(settings.engine_cpus, engines, session)
+    tp = plan.engine_kwargs.get("tensor_parallel_size", 1)
+    ctx = ray.data.DataContext.get_current()
+    # Ray Data hands blocks to whichever actor is up: without this wait, on a slow start (a large model,
+    # a busy node) the first engine ready takes every part of a short job and the others idle.
+    ctx.wait_for_min_actors_s = (ENGINE_START_TIMEOUT_S if engines > 1 and
+                                 engines_fit(engines, engine_cpus, tp, use_gpu, session) else -1)
     # One block per part, and batch_size=None below (a batch is a whole block): Ray Data then never
     # merges parts into one task, so each part's results come back, and are committed, on their own.
     ds = ray.data.from_arrow([tasks_table([task]) for task in parts])
@@ -239,9 +265,10 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     # Placement: Ray Data creates pool actors with its SPREAD default (DataContext.scheduling_strategy;
     # an explicit scheduling_strategy is deprecated there), so engines go to different nodes first.
     ds = ds.map_batches(
-        NodeEngineActor, fn_constructor_kwargs={"plan": plan}, batch_size=None, batch_format="pyarrow",
+        NodeEngineActor, fn_constructor_kwargs={"plan": plan, "target": target}, batch_size=None,
+        batch_format="pyarrow",
         # A tensor-parallel engine (model.tensor_parallel_size) spans that many GPUs of one node.
-        num_gpus=plan.engine_kwargs.get("tensor_parallel_size", 1) if use_gpu else 0, num_cpus=engine_cpus,
+        num_gpus=tp if use_gpu else 0, num_cpus=engine_cpus,
         compute=ray.data.ActorPoolStrategy(size=engines,
                                            max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
@@ -250,10 +277,22 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
 
 class NodeEngineActor(EngineActor):
     """The engine actor of a Ray run: its engine id (run summary, per-engine figures) names its node,
-    since simulated or containerised nodes may share one hostname."""
+    since simulated or containerised nodes may share one hostname. With a `target` it commits each part
+    it generated (output/worker_commit.py) and returns the part's report instead of its rows."""
 
-    def __init__(self, plan: StagePlan) -> None:
+    def __init__(self, plan: StagePlan, target: CommitTarget | None = None) -> None:
         super().__init__(plan)
         import ray
 
         self.stage.engine_id = f"{self.stage.engine_id}@{ray.get_runtime_context().get_node_id()[:12]}"
+        self.committer = None
+        if target is not None:
+            from deepinfer.pipeline.output.worker_commit import PartCommitter
+
+            self.committer = PartCommitter(target, self.stage.engine_id)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.committer is None:
+            return super().__call__(batch)
+        self.committer.starting(batch)
+        return self.committer.commit(super().__call__(batch))

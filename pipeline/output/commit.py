@@ -15,6 +15,14 @@ marker, listing the objects with row counts and sha256, by an atomic put-if-abse
 * Orphan cleanup never races a live writer (lease protocol, lease.py); ``write_success`` sweeps what is
   left once every part is committed, so a finished output holds exactly what its markers reference.
 
+Committers (worker_commit.py): on a Ray cluster the process that finishes a part commits it, not the
+driver. Such a process joins the driver's run with :meth:`OutputStore.attach` (it checks that the output
+still holds the driver's job, takes a lease of its own with role "committer", and waits while another run
+cleans up, exactly as a run's first write does), then calls ``commit_part``. Every writer, driver or
+committer, puts a marker only while its own lease has been fresh since it began the part's data writes
+(``Lease.held_since``): a writer whose lease may have looked dead to another run's cleanup raises
+RetryableError (exit 75) and commits nothing, its objects left as orphans.
+
 Ownership (ownership.py): ``begin`` writes only into a new or empty directory, or one that already holds
 a deepinfer job (its ``_job.json``); anything else is refused with exit 2 naming what is there, also with
 ``--restart``, which deletes only what this output's own manifest lists (markers and the objects they
@@ -28,6 +36,7 @@ support code does: tests/support/kill_hooks.py); without one those calls do noth
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,7 +55,7 @@ from deepinfer.pipeline.output.layout import (
     OutputReader,
     dumps,
 )
-from deepinfer.pipeline.output.lease import Lease, read_leases
+from deepinfer.pipeline.output.lease import Lease, read_leases, remove_committers
 from deepinfer.pipeline.parts import PartSpec
 
 KILL_POINTS = (
@@ -176,6 +185,41 @@ class OutputStore(OutputReader):
         committed = frozenset(self.committed_part_ids())
         return ResumeState(committed, False, existing is not None and not restarted, restarted, removed)
 
+    def attach(self, fingerprint: Mapping[str, Any], driver_run: str) -> None:
+        """Join the run `driver_run` (a driver's lease run id) as a committer of its parts: the output must
+        hold the job with `fingerprint` (else FingerprintMismatch: the output was restarted for another
+        job meanwhile, and nothing may be committed into it); takes a committer lease and waits while
+        another run cleans up. Then ``commit_part`` works as on the driver; ``close`` releases the lease."""
+        existing = self.read_job()
+        if existing is None or self.is_complete():
+            raise RetryableError(f"{self.url} holds no unfinished job to commit parts of (it was removed or "
+                                 "finished meanwhile)")
+        diffs = diff_fingerprints(existing.get("fingerprint") or {}, fingerprint)
+        if diffs:
+            raise FingerprintMismatch(self.url, diffs)
+        self._adopt(existing)
+        self._lease = Lease(self.fs, self.root, self._lease_ttl_s, role="committer", driver=driver_run)
+        self._lease.acquire()
+        try:
+            self._lease.wait_while_others_clean(self._cleanup_wait_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def run_id(self) -> str | None:
+        """This writer's lease id while it holds one (a driver hands it to its committers)."""
+        return None if self._lease is None else self._lease.run_id
+
+    def planned_rows(self, part_id: str) -> int | None:
+        """Input rows of `part_id` in the job's plan (None: not a part of this job)."""
+        return self._plan.get(part_id)
+
+    def working_on(self, part_ids: Sequence[str]) -> None:
+        """Say in this writer's lease which parts it works on now (status, debugging a cluster run)."""
+        if self._lease is not None:
+            self._lease.set_parts(list(part_ids))
+
     def _check_same_job(self, existing: Mapping, record: Mapping) -> None:
         diffs = diff_fingerprints(existing.get("fingerprint") or {}, record["fingerprint"])
         if not diffs and existing.get("format") != record.get("format"):
@@ -253,6 +297,7 @@ class OutputStore(OutputReader):
             errors = errors.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA)
         if storage.read_bytes(self.fs, self.marker_path(part_id)) is not None:
             return False
+        since = time.monotonic()  # the fence: the lease must stay fresh from here to the marker
         self._maybe_kill("before_part_data_written")
         written = []
         for directory, table in [(PARTS_DIR, rows)] + ([(ERRORS_DIR, errors)] if n_err else []):
@@ -268,6 +313,10 @@ class OutputStore(OutputReader):
             codes[code] = codes.get(code, 0) + 1
         marker = {"part_id": part_id, "format": fmt, "rows": n_rows, "error_rows": n_err,
                   "error_codes": codes, "objects": written}
+        if not self._lease.held_since(since):
+            raise RetryableError(f"part {part_id} of {self.url}: this writer's lease went stale while it "
+                                 "wrote the part (storage unreachable or the process paused), so another "
+                                 "run may have cleaned up its objects; not committing it (rerun to resume)")
         if not storage.put_if_absent(self.fs, self.marker_path(part_id), dumps(marker)):
             winner = self.read_marker(part_id) or {}
             keep = {o["path"] for o in winner.get("objects", [])}
@@ -291,6 +340,8 @@ class OutputStore(OutputReader):
         if missing:
             raise RuntimeError(f"write_success with {len(missing)} uncommitted part(s), e.g. {missing[:3]}")
         self._cleanup(sweep=True)
+        # Every part is committed: this run's committers can write nothing a marker does not reference.
+        remove_committers(self.fs, self.root, self._lease.run_id)
         markers = self.read_markers()
         record = {
             "parts": len(markers),

@@ -73,6 +73,16 @@ def input_rows_of(rows: pa.Table) -> int:
     return sum(1 for s in rows.column("sample_index").to_pylist() if s == 0)
 
 
+def commit_outcome(store: OutputStore, fmt: str, part_id: str, rows: pa.Table, errors: pa.Table
+                   ) -> CommitOutcome:
+    """Commit a part through `store` (a driver's, or a committer's: worker_commit.py) exactly once."""
+    n_in = input_rows_of(rows)
+    if store.commit_part(part_id, rows, errors, fmt, input_rows=n_in):
+        return CommitOutcome(True, n_in, errors.num_rows)
+    marker = store.read_marker(part_id) or {}
+    return CommitOutcome(False, int(marker.get("rows", n_in)), int(marker.get("error_rows", errors.num_rows)))
+
+
 class JobStore:
     """One run's handle on its output; `resume` says what earlier runs left."""
 
@@ -114,12 +124,7 @@ class JobStore:
 
     def commit(self, part_id: str, rows: pa.Table, errors: pa.Table) -> CommitOutcome:
         """Commit a part exactly once; a racing run that committed it first keeps it (and its counts)."""
-        n_in = input_rows_of(rows)
-        if self.store.commit_part(part_id, rows, errors, self.format, input_rows=n_in):
-            return CommitOutcome(True, n_in, errors.num_rows)
-        marker = self.store.read_marker(part_id) or {}
-        return CommitOutcome(False, int(marker.get("rows", n_in)),
-                             int(marker.get("error_rows", errors.num_rows)))
+        return commit_outcome(self.store, self.format, part_id, rows, errors)
 
     def write_success(self, summary: dict) -> None:
         self.clear_failure()

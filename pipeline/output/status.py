@@ -39,10 +39,11 @@ def _output_url(target: str) -> str:
     return target
 
 
-def _live_runs(store: OutputReader, ttl_s: float = 120.0) -> int:
+def _live_writers(store: OutputReader, ttl_s: float = 120.0) -> tuple[int, int]:
+    """(live runs, live committers): drivers, and the engine actors committing parts for them."""
     import time
 
-    count = 0
+    count = committers = 0
     directory = storage.join(store.root, LEASE_DIR)
     for name in storage.list_names(store.fs, directory):
         if not name.endswith(".json") or name.startswith(storage.TEMP_PREFIX):
@@ -55,8 +56,11 @@ def _live_runs(store: OutputReader, ttl_s: float = 120.0) -> int:
         except (ValueError, KeyError, TypeError):
             continue
         if alive or (alive is None and fresh):
-            count += 1
-    return count
+            if rec.get("role") == "committer":
+                committers += 1
+            else:
+                count += 1
+    return count, committers
 
 
 def _read_failure(store: OutputReader) -> dict[str, Any] | None:
@@ -73,8 +77,9 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
 
     Keys: output, state (one of :data:`STATES`), job_fingerprint (sha256 of the fingerprint, or None),
     total_parts, total_rows, committed_parts, committed_rows, error_rows, error_codes (code -> count),
-    complete, live_runs, failure (the ``_FAILED`` record: exit_code, reason, message, finished_at,
-    parts_committed; or None), summary (the _SUCCESS record, or None).
+    complete, live_runs, live_committers (engine actors committing parts for a live run), failure (the
+    ``_FAILED`` record: exit_code, reason, message, finished_at, parts_committed; or None), summary (the
+    _SUCCESS record, or None).
     """
     url = _output_url(target)
     store = OutputReader(*storage.open_fs(url, storage_options))
@@ -91,7 +96,7 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
 
         fp = storage.sha256_hex(canonical_json(job.get("fingerprint")))
     complete = success is not None
-    live = _live_runs(store) if job is not None else 0
+    live, committers = _live_writers(store) if job is not None else (0, 0)
     failure = _read_failure(store) if job is not None and not complete else None
     if job is None:
         state = "empty"
@@ -113,6 +118,7 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
         "error_codes": dict(sorted(codes.items())),
         "complete": complete,
         "live_runs": live,
+        "live_committers": committers,
         "failure": failure if state == "failed" else None,
         "summary": success,
     }

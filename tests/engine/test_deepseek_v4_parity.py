@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.layers.backends import make_ops
+from deepinfer.engine.layers.v4_cache import v4_cache_spec
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.engine.models.loader import iter_weights
@@ -132,7 +133,8 @@ def test_single_request_greedy_matches_hf_generate(ckpt, hf):
 
 
 SETTINGS = {
-    "prefix_cache": dict(num_kv_blocks=512),
+    # Blocks of 4 tokens: bounded-cache hits come in steps of block_size * 4 tokens (core/window_blocks.py).
+    "prefix_cache": dict(num_kv_blocks=512, block_size=4),
     "chunked_prefill": dict(num_kv_blocks=512, max_num_batched_tokens=24, max_num_seqs=8),
     "preemption": dict(num_kv_blocks=24, max_num_seqs=16),
 }
@@ -212,10 +214,12 @@ def test_cache_layout_and_capacity_use_per_layer_type_entries(ckpt):
     sliding, hca = d, d + 2 * d + d  # shared kv; + raw kv/gate + compressed entry
     csa = d + 4 * d + d + 4 * idx + idx  # two series, + the indexer's at index_head_dim
     per_token = (sliding + csa + hca + csa) * 4
-    assert llm.kv_cache_spec.bytes_per_token == per_token
-    caches = llm.engine.runner.kv_caches
-    tokens = llm.cache_cfg.num_blocks * llm.cache_cfg.block_size
-    assert sum(c.numel() * c.element_size() for c in caches) == per_token * tokens
+    # The full layout (every token's rows): kept for configs whose rates are not multiples of the finest.
+    full = v4_cache_spec(llm.model_config, 16, torch.float32)
+    assert full.bytes_per_token == per_token and not full.bounded
+    caches = full.allocate(20, "cpu")
+    assert sum(c.numel() * c.element_size() for c in caches) == per_token * 20 * 16
+    assert llm.kv_cache_spec.bounded   # what the engine uses, prefix caching on or off
 
 
 # ---- the bounded layout (prefix caching off): window blocks released, compressed entries kept --------------

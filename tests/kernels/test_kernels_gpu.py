@@ -107,6 +107,22 @@ def test_bi_linear_rows_bitwise_invariant_across_batch_sizes(kern, n, k, bias):
             assert torch.equal(copy, full[start:start + m]), f"M={m} rows {start}.. (copy)"
 
 
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_planner_bucket_configs_agree_and_rows_stay_invariant_across_buckets(kern, n, k):
+    """The M-bucket configs are used on the H200 (they agree bitwise), and a row's bits are the same at
+    every M, across bucket boundaries (64/65, 256/257) and against the single-config kernel."""
+    planner = kern.mm.MatmulPlanner()
+    x = _randn(1000, k, seed=9)
+    w = _randn(n, k, seed=10, scale=k ** -0.5)
+    full = kern.mm.bi_linear(x, w, planner=planner)
+    assert all(planner.verdicts().values()), planner.verdicts()
+    assert torch.equal(full, kern.mm.bi_linear(x, w))
+    for m in (1, 7, 63, 64, 65, 255, 256, 257, 999):
+        for start in (0, 1000 - m):
+            part = kern.mm.bi_linear(x[start:start + m].clone(), w, planner=planner)
+            assert torch.equal(part, full[start:start + m]), f"M={m} rows {start}.."
+
+
 # ----------------------------------------------------------------------------------- norm, activation
 
 @pytest.mark.parametrize("h", [896, 4096, 20480])

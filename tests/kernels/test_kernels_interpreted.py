@@ -106,6 +106,46 @@ def test_bi_linear_config_never_depends_on_batch(kmods):
             assert "m" not in mm.matmul_config.__code__.co_varnames
 
 
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bucket_configs_keep_block_k_and_cover_every_m(kmods, n, k, dtype):
+    mm = kmods["matmul"]
+    buckets = mm._bucket_configs(n, k, dtype)
+    assert buckets[-1][0] is None                       # the last bucket is open-ended
+    bounds = [b for b, _ in buckets[:-1]]
+    assert bounds == sorted(bounds)
+    assert {cfg.block_k for _, cfg in buckets} == {mm.matmul_config(n, k, dtype).block_k}
+    assert buckets == mm._bucket_configs(n, k, dtype)
+
+
+def test_planner_uses_buckets_only_after_they_agree_and_decides_once(kmods, monkeypatch):
+    mm = kmods["matmul"]
+    n, k = 160, 96
+    x, w = _rand(70, k, seed=1), _rand(n, k, seed=2)
+    small = mm.MatmulConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    large = mm.MatmulConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(mm, "_bucket_configs", lambda n_, k_, d_: ((64, small), (None, large)))
+    calls = []
+    monkeypatch.setattr(mm.MatmulPlanner, "_agree", staticmethod(lambda *a: calls.append(1) or True))
+    planner = mm.MatmulPlanner()
+    assert planner.config(x[:64], w, None) == small
+    assert planner.config(x, w, None) == large
+    assert len(calls) == 1 and planner.verdicts() == {f"{n}x{k} float32 cpu": True}
+    monkeypatch.setattr(mm.MatmulPlanner, "_agree", staticmethod(lambda *a: False))
+    doubtful = mm.MatmulPlanner()
+    for rows in (1, 64, 70):   # configs that disagree: the shape's single config for every M
+        assert doubtful.config(x[:rows], w, None) == mm.matmul_config(n, k, torch.float32)
+
+
+def test_planner_agreement_check_compares_real_outputs(kmods):
+    mm = kmods["matmul"]
+    x, w = _rand(40, 64, seed=3), _rand(96, 64, seed=4)
+    cfg = mm.MatmulConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    assert mm.MatmulPlanner._agree(x, w, None, ((16, cfg), (None, cfg)))
+    out = mm.bi_linear(x, w, planner=mm.MatmulPlanner())
+    torch.testing.assert_close(out, bi_linear_ref(x, w), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "args,match",
     [

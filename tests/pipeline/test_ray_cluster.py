@@ -3,15 +3,21 @@
 a real S3 endpoint (moto's server). The driver runs in this process, attached to the cluster by its
 address; the head node (as on real clusters) offers no CPUs, so engines and tasks run on the workers.
 
-* a job spreads its engines over the worker nodes and its output equals a single-node run's byte for byte;
+* a job spreads its engines over both worker nodes, both generate parts, each part is committed on the
+  worker node that generated it (the summary's `commits`), and the output equals a single-node run's
+  byte for byte;
 * a local output path on the multi-node cluster is refused with exit 2 before anything is written;
 * two drivers on two different worker nodes race on one output: their leases are live at the same
   time, each part is committed once, and the output is byte-identical;
-* a worker node removed mid-job (its raylet and workers killed): the run goes on or exits 75, and the
-  rerun commits every row exactly once, byte-identical to the run without failures.
+* a worker node removed while a part is in flight on it (its committer's lease names the part; raylet
+  and workers killed): the run goes on or exits 75, the parts that were in flight there are recomputed
+  and committed once on the node left (the summaries' `commits` say where), and the output is
+  byte-identical to a single-node run.
 
 One cluster, one S3 server and one reference output serve the whole module (the node-loss test runs
-last, since it takes a node away). Tiny data (48 rows, 12 parts), the tiny random Llama, max_tokens 2;
+last, since it takes a node away; its job generates 32 tokens a row, so that a part stays in flight
+long enough for the kill to land in it, and has a reference of its own). Tiny data (48 rows, 12
+parts), the tiny random Llama, max_tokens 2;
 on the shared 2-core development machine at a load average of 15-22 the module took 3.5-5 minutes, most
 of it worker processes starting (importing torch) on starved cores.
 """
@@ -123,6 +129,10 @@ def check_output(job, url: str, reference: dict[str, bytes]) -> None:
     assert got == want  # byte for byte
 
 
+def out_part_ids(url: str) -> list[str]:
+    return sorted(reader(url).committed_part_ids())
+
+
 def submit_on_cluster(job, url: str, c, *extra: str) -> int:
     return main(["submit", str(job[0]), "--address", c.address, "--set", f"output.path={url}", *extra])
 
@@ -133,14 +143,19 @@ def test_engines_spread_over_the_nodes_and_output_equals_a_single_node_run(job, 
     url, summary = s3.url("spread"), tmp_path / "summary.json"
     assert submit_on_cluster(job, url, c, "--summary-json", str(summary)) == 0
     check_output(job, url, reference)
-    engines = json.loads(summary.read_text())["engines"]
-    # runtime.engines is null: one CPU engine per worker node, placed SPREAD; each names its node
-    # Every engine that did work ran on a worker node (the head has no CPUs for one). Both nodes doing work
-    # is not asserted: on a loaded 2-core machine the first actor up can take every part before the second
-    # one has imported torch (seen in CI), which says nothing about placement.
-    nodes = {e["engine"].rsplit("@", 1)[1] for e in engines}
-    assert nodes and nodes <= {w.node_id[:12] for w in workers}, engines
-    assert sum(e["rows"] for e in engines) == len(job[1])
+    done = json.loads(summary.read_text())
+    # runtime.engines is null: one CPU engine per worker node, placed SPREAD, each naming its node; the
+    # first part is dispatched only once both are up (ray_data.run_ray), so both nodes generate parts.
+    engines = done["engines"]
+    assert {e["engine"].rsplit("@", 1)[1] for e in engines} == {w.node_id[:12] for w in workers}, engines
+    assert all(e["rows"] > 0 for e in engines) and sum(e["rows"] for e in engines) == len(job[1]), engines
+    # Each part was committed on the worker node that generated it, none by the driver (on the head).
+    commits = done["commits"]
+    assert {(c["where"], c["node"]) for c in commits["by_node"]} == {("worker", w.node_id) for w in workers}
+    assert all(c["parts"] > 0 for c in commits["by_node"]), commits
+    assert sorted(c["part"] for c in commits["parts"]) == sorted(out_part_ids(url)), commits
+    by_engine = {c["committer"] for c in commits["parts"]}
+    assert by_engine == {e["engine"] for e in engines}, (by_engine, engines)
 
 
 def test_a_local_output_path_on_a_multi_node_cluster_is_refused(job, cluster, tmp_path, capsys) -> None:
@@ -156,6 +171,11 @@ def test_a_local_output_path_on_a_multi_node_cluster_is_refused(job, cluster, tm
 class Driver:
     """A `deepinfer-job submit` process on a chosen node (its own driver of the job, local executor)."""
 
+    def ready(self) -> bool:
+        import deepinfer.engine  # noqa: F401 - the slow imports (torch), before the race starts
+
+        return True
+
     def submit(self, spec: str, url: str, summary: str) -> int:
         return main(["submit", spec, "--set", f"output.path={url}", "--set", "runtime.executor=local",
                      "--summary-json", summary])
@@ -170,6 +190,8 @@ def test_two_drivers_on_different_nodes_racing_commit_each_part_once(job, cluste
     drivers = [Driver.options(scheduling_strategy=NodeAffinitySchedulingStrategy(w.node_id, soft=False))
                .remote() for w in workers]
     summaries = [str(tmp_path / f"s{i}.json") for i in range(2)]
+    # Both processes up first: on a loaded machine one actor's start can outlast the other's whole run.
+    assert ray.get([d.ready.remote() for d in drivers], timeout=300) == [True, True]
     runs = [d.submit.remote(str(job[0]), url, s) for d, s in zip(drivers, summaries)]
     # Watch the leases while both run: two live drivers, on two nodes, at one moment.
     out, together = reader(url), set()
@@ -191,31 +213,70 @@ def test_two_drivers_on_different_nodes_racing_commit_each_part_once(job, cluste
     check_output(job, url, reference)
 
 
-def test_a_worker_node_lost_mid_job_then_a_rerun_commits_every_row_once(job, cluster, reference, s3
-                                                                        ) -> None:
+@pytest.fixture(scope="module")
+def slow_reference(job, s3) -> dict[str, bytes]:
+    """The single-node output of the node-loss job: the cluster job with SLOW_PART longer generations,
+    so that a part stays in flight on its node long enough for the kill to land inside it."""
+    url = s3.url("slow-reference")
+    code = main(["submit", str(job[0]), "--set", f"output.path={url}", "--set", "runtime.executor=local",
+                 *SLOW_PART])
+    assert code == 0
+    return snapshot(url)
+
+
+SLOW_PART = ("--set", "sampling.max_tokens=32")
+
+
+def committer_leases(out) -> list[dict]:
+    """The live lease records of the engine actors committing for a run (``_runs/``, role committer)."""
+    out.fs.invalidate_cache()
+    found = [read_bytes(out.fs, p) for p in out.fs.find(out.path("_runs")) if p.endswith(".json")]
+    records = [json.loads(data) for data in found if data is not None]
+    return [r for r in records if r.get("role") == "committer"]
+
+
+def test_parts_in_flight_on_a_lost_node_are_recomputed_and_committed_once(job, cluster, slow_reference,
+                                                                         s3, tmp_path) -> None:
     c, workers = cluster
     url = s3.url("node-loss")
-    out, at_removal = reader(url), []
+    out, in_flight, at_kill = reader(url), [], set()
+    dead, alive = workers[1].node_id, workers[0].node_id
 
-    def kill_a_worker_node() -> None:  # once the first part is committed: later parts are in flight
-        deadline = time.monotonic() + 120
+    def kill_the_node_mid_part() -> None:  # the moment its committer's lease names a part not yet committed
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            if out.fs.exists(out.path("_job.json")) and out.committed_part_ids():
-                c.remove_node(workers[1], allow_graceful=False)  # SIGKILL: raylet, store, workers
-                at_removal.append(len(out.committed_part_ids()))
-                return
+            for rec in committer_leases(out):
+                pending = [p for p in rec["parts"] if not out.fs.exists(out.marker_path(p))]
+                if rec["node"] == dead and pending:
+                    c.remove_node(workers[1], allow_graceful=False)  # SIGKILL: raylet, store, workers
+                    in_flight.extend(pending)
+                    at_kill.update(out.committed_part_ids())
+                    return
             time.sleep(0.02)
 
-    killer = threading.Thread(target=kill_a_worker_node, daemon=True)
+    killer = threading.Thread(target=kill_the_node_mid_part, daemon=True)
     killer.start()
-    first = submit_on_cluster(job, url, c)
-    killer.join(timeout=130)
-    assert at_removal and at_removal[0] < PARTS, at_removal  # the node died mid-job
-    assert first in (0, 75), first  # went on with the nodes left, or a retryable exit
-    committed = out.committed_part_ids()
-    assert first == 75 or len(committed) == PARTS
-    assert submit_on_cluster(job, url, c) == 0  # the rerun: resumes (or finds the job complete)
-    check_output(job, url, reference)
+    summaries = [tmp_path / "first.json", tmp_path / "rerun.json"]
+    first = submit_on_cluster(job, url, c, *SLOW_PART, "--summary-json", str(summaries[0]))
+    killer.join(timeout=250)
+    assert in_flight and len(at_kill) < PARTS, (in_flight, at_kill)  # the node died with a part on it
+    assert first in (0, 75), first  # went on with the node left (Ray Data retried), or a retryable exit
+    assert first == 75 or len(out.committed_part_ids()) == PARTS
+    after_first = set(out.committed_part_ids())
+    assert submit_on_cluster(job, url, c, *SLOW_PART, "--summary-json", str(summaries[1])) == 0
+    check_output(job, url, slow_reference)
+    # The runs' own records (the summary's `commits`: each part a run committed, where). The parts in
+    # flight on the dead node were recomputed and committed once, on the node left: by the first run's
+    # retries (exit 0: the rerun finds the job complete), else by the rerun.
+    done = json.loads(summaries[0 if first == 0 else 1].read_text())
+    logged = done["commits"]["parts"]
+    assert len({e["part"] for e in logged}) == len(logged), logged  # no part committed twice
+    assert done["parts"]["committed_this_run"] + done["parts"]["resumed"] == PARTS, done["parts"]
+    recomputed = in_flight if first == 0 else [p for p in in_flight if p not in after_first]
+    assert recomputed, (first, in_flight, after_first)
+    for part in recomputed:
+        (entry,) = [e for e in logged if e["part"] == part]
+        assert (entry["where"], entry["node"]) == ("worker", alive), entry
     # The GCS marks a SIGKILLed node dead only after its health checks fail (seconds, load-dependent).
     deadline = time.monotonic() + 90
     while len([n for n in ray.nodes() if n["Alive"]]) != 2 and time.monotonic() < deadline:

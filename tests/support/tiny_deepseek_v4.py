@@ -124,6 +124,73 @@ def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> dict[str, torch.Tens
     return tensors
 
 
+def write_v4_mtp_module(path: str | Path, seed: int = 0, agree: bool = False) -> Path:
+    """Replace checkpoint `path`'s fake MTP shard by a complete MTP module `mtp.0.*` in DeepSeek's naming: a
+    sliding-window block shaped like layer 0's attention (its type in TINY_V4) with a top-k MoE shaped like
+    layer 2's, hyper-connections, enorm / hnorm / e_proj / h_proj, its own `norm` and `hc_head_*`.
+
+    Random weights, or with `agree=True` a draft that always agrees with the target: every block of both
+    gets zero output projections (attn.wo_b, the experts' and shared experts' w2), so the target's streams
+    stay parallel to embed(t) and its logits are a fixed function of the current token; the MTP module takes
+    only its embedding (e_proj = I, h_proj = 0, enorm = 1) and uses the target's final norm weight, so its
+    logits for the token it is fed are the target's for that token. The LM head is scaled up (clear argmax).
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    weight_map = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    shards = {f: load_file(str(path / f)) for f in sorted(set(weight_map.values()))}
+    main = {k: t for tensors in shards.values() for k, t in tensors.items()}
+    zero = ("attn.wo_b.weight", ".w2.weight")
+    if agree:
+        for f, tensors in shards.items():
+            for k in tensors:
+                if k.endswith(zero):
+                    tensors[k] = torch.zeros_like(tensors[k])
+                elif k == "head.weight":
+                    tensors[k] = tensors[k] * 20.0
+            save_file(tensors, str(path / f), metadata={"format": "pt"})
+    gen = torch.Generator().manual_seed(seed + 7)
+    sources = {"model.layers.0.": ("attn", "attn_norm", "hc_"), "model.layers.2.": ("ffn", "ffn_norm")}
+    mtp: dict[str, torch.Tensor] = {}
+    for prefix, parts in sources.items():
+        for name, t in main.items():
+            rel = name.removeprefix(prefix)
+            if name.startswith(prefix) and rel.startswith(parts):
+                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                if rel.endswith("norm.weight"):
+                    value = 1.0 + 0.1 * noise
+                elif rel.endswith(("attn_sink", "gate.bias")):
+                    value = 0.1 * noise
+                elif rel.startswith("hc_") and not rel.endswith("_fn"):
+                    value = t.clone()
+                else:
+                    value = WEIGHT_STD * noise
+                mtp[f"mtp.0.{rel}"] = value
+    hidden = main["model.embed_tokens.weight"].shape[1]
+    for k in ("enorm", "hnorm", "norm"):
+        mtp[f"mtp.0.{k}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    for k in ("e_proj", "h_proj"):
+        mtp[f"mtp.0.{k}.weight"] = WEIGHT_STD * torch.randn(hidden, hidden, generator=gen)
+    for k in ("fn", "base", "scale"):
+        mtp[f"mtp.0.hc_head_{k}"] = main[f"model.hc_head.hc_{k}"].clone()
+    if agree:
+        for k in mtp:
+            if k.endswith(zero):
+                mtp[k] = torch.zeros_like(mtp[k])
+        mtp["mtp.0.enorm.weight"] = torch.ones(hidden)
+        mtp["mtp.0.e_proj.weight"] = torch.eye(hidden)
+        mtp["mtp.0.h_proj.weight"] = torch.zeros(hidden, hidden)
+        mtp["mtp.0.norm.weight"] = main["model.norm.weight"].clone()
+    shard = "model-mtp.safetensors"
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / shard), metadata={"format": "pt"})
+    index["weight_map"] = {**weight_map, **{k: shard for k in mtp}}
+    index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return path
+
+
 def make_tiny_deepseek_v4(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Write the tiny float32 V4 checkpoint into `path` (config fields of TINY_V4 overridable); return it."""
     import transformers as tf
