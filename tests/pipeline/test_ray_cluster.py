@@ -249,7 +249,9 @@ def test_parts_in_flight_on_a_lost_node_are_recomputed_and_committed_once(job, c
                 pending = [p for p in rec["parts"] if not out.fs.exists(out.marker_path(p))]
                 if rec["node"] == dead and pending:
                     c.remove_node(workers[1], allow_graceful=False)  # SIGKILL: raylet, store, workers
-                    in_flight.extend(pending)
+                    # Looked at again once the node is dead: a part it committed between the look above
+                    # and the kill was not in flight.
+                    in_flight.extend(p for p in pending if not out.fs.exists(out.marker_path(p)))
                     at_kill.update(out.committed_part_ids())
                     return
             time.sleep(0.02)
