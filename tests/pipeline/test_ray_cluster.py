@@ -275,10 +275,14 @@ def test_parts_in_flight_on_a_lost_node_are_recomputed_and_committed_once(job, c
     logged = done["commits"]["parts"]
     assert len({e["part"] for e in logged}) == len(logged), logged  # no part committed twice
     assert done["parts"]["committed_this_run"] + done["parts"]["resumed"] == PARTS, done["parts"]
-    recomputed = in_flight if first == 0 else [p for p in in_flight if p not in after_first]
-    for part in recomputed:
+    candidates = in_flight if first == 0 else [p for p in in_flight if p not in after_first]
+    recomputed = []
+    for part in candidates:
         (entry,) = [e for e in logged if e["part"] == part]
+        if entry["node"] == dead:  # the killed node's worker process outlived its raylet long enough to
+            continue               # finish this part's commit: it was not lost, so not recomputed
         assert (entry["where"], entry["node"]) == ("worker", alive), entry
+        recomputed.append(part)
     # The GCS marks a SIGKILLed node dead only after its health checks fail (seconds, load-dependent).
     deadline = time.monotonic() + 90
     while len([n for n in ray.nodes() if n["Alive"]]) != 2 and time.monotonic() < deadline:
