@@ -4,13 +4,19 @@ Run on an H200 (HF's DeepSeek-V4 needs transformers >= 5.2x; without it the HF a
     python benchmarks/bench_deepseek_v4.py --out v4.json                 # 8k-token prompts, shape v4-h200
     python benchmarks/bench_deepseek_v4.py --quick                      # CPU, tiny shape, seconds
     python benchmarks/bench_deepseek_v4.py --arm hf --out v4_hf.json    # one arm per command
+Both arms fit one 10-minute command: an arm starts only when it is expected to end within `--budget-s`
+seconds (an MTP arm is expected to take what the first deepinfer arm took; skipped ones say so), and HF,
+which runs prompts one at a time (so its tokens/s does not depend on how many), runs the first
+`--hf-prompts` of them.
 The deepinfer arm also runs with MTP drafting on (`--mtp-draft-lens`, default 1,3; '' for none): the dummy
 checkpoint's random MTP block, so it measures the draft + verify cost, and checks the tokens equal MTP off.
-Each arm loads once, warms up, then runs `--runs` measured repetitions (median, min, max). Both arms get the
-same random prompts and produce `--output-len` tokens each (ignore_eos / min_new_tokens). Reported besides
-throughput: KV-cache bytes per sequence of prompt + output tokens in deepinfer's layout, the same for a
-full-attention layout (one shared K=V head per token and layer, what V4's MQA would cache without windows or
-compression), and the maximum concurrent sequences each fits in deepinfer's KV budget.
+Each arm loads once, warms up, then runs `--runs` measured repetitions (median, min, max). Per phase, the
+deepinfer arm reports its load and warm-up seconds, the host seconds of its prefill and decode steps, and
+(one more run, `--no-phases` to skip) the device milliseconds per model part (benchmarks/v4_phases.py).
+Both arms get the same random prompts and produce `--output-len` tokens each (ignore_eos / min_new_tokens).
+Reported besides throughput: KV-cache bytes per sequence of prompt + output tokens in deepinfer's layout,
+the same for a full-attention layout (one shared K=V head per token and layer, what V4's MQA would cache
+without windows or compression), and the maximum concurrent sequences each fits in deepinfer's KV budget.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, spread, sync
+from common import JsonOut, StepRecorder, spread, sync
+from v4_phases import PhaseTimer
 
 # A V4 shape that fits one H200 in bf16 with HF's copy beside it (~8.4e9 parameters each): V4-Flash's
 # attention (64 heads of 512, q LoRA 1024, 8 output groups, indexer 64 x 128, top-512, window 128) with
@@ -153,6 +160,8 @@ def bench_deepinfer(
     dtype: str,
     out: JsonOut,
     draft_len: int = 0,
+    phases: bool = True,
+    deterministic: bool = False,
 ) -> dict:
     """One deepinfer arm; `draft_len` > 0 turns MTP drafting on (the dummy checkpoint's random MTP block,
     always drafting `draft_len` tokens: acceptance is near 0, so this measures the draft + verify cost)."""
@@ -164,12 +173,13 @@ def bench_deepinfer(
         mtp = MTPConfig(max_draft_len=draft_len, confidence_threshold=0.0, auto_disable=False)
 
     # The bounded layout (window blocks released, compressed entries kept); random prompts share nothing.
+    t_load = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
         dtype=dtype,
         device=device,
         load_format="dummy",
-        deterministic=False,
+        deterministic=deterministic,
         enable_prefix_caching=False,
         max_model_len=len(prompts[0]) + output_len + 16,
         max_num_seqs=len(prompts),
@@ -178,18 +188,37 @@ def bench_deepinfer(
         speculative_mtp=mtp if mtp is not None else False,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    sync()
+    load_s, t0 = time.perf_counter() - t_load, time.perf_counter()
+    # Warm-up: two prompts, a few decode steps (compiles every kernel; batch sizes only change grids).
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    sync()
+    phase = {"load_s": load_s, "warmup_s": time.perf_counter() - t0}
+    out.line({"arm": "deepinfer", "draft_len": draft_len, **phase})
+    rec = StepRecorder(llm)
     times = []
     for i in range(runs):
         sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         sync()
+        rec.end()
         times.append(time.perf_counter() - t0)
         assert all(len(o.token_ids) == output_len for o in outs)
         out.line({"arm": "deepinfer", "draft_len": draft_len, "run": i, "seconds": times[-1]})
+    phase["steps"] = rec.host_summary()  # host seconds of prefill / decode steps over the measured runs
+    if phases:
+        with PhaseTimer(llm.model) as timer:
+            sync()
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            sync()
+        phase["timed_run_s"] = time.perf_counter() - t0
+        phase["device_ms_by_part"] = timer.summary()
+    out.line({"arm": "deepinfer", "draft_len": draft_len, "phases": phase})
     tokens = len(prompts) * (len(prompts[0]) + output_len)
     res = {
+        "phases": phase,
         "seconds": spread(times),
         "tokens_per_s": tokens / sorted(times)[len(times) // 2],
         "output_tokens_per_s": len(prompts) * output_len / sorted(times)[len(times) // 2],
@@ -202,11 +231,20 @@ def bench_deepinfer(
                                             "spec_acceptance_rate", "spec_mean_tokens_per_verify_step")}
     del llm
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # give the next arm (or HF) the memory back
     return res
 
 
 def bench_hf(
-    model_dir: Path, prompts, output_len: int, runs: int, device: str, dtype: torch.dtype, out: JsonOut
+    model_dir: Path,
+    prompts,
+    output_len: int,
+    runs: int,
+    device: str,
+    dtype: torch.dtype,
+    out: JsonOut,
+    deadline: float = float("inf"),
 ) -> dict:
     try:
         import transformers as tf
@@ -232,11 +270,14 @@ def bench_hf(
         for i in range(runs):
             sync()
             t0 = time.perf_counter()
-            for row in ids.split(1):  # one at a time: eager attention over 8k tokens is memory-bound
+            for j, row in enumerate(ids.split(1)):  # one at a time: eager attention over 8k is memory-bound
                 model.generate(row, attention_mask=torch.ones_like(row), **kw)
-            sync()
+                sync()
+                out.line({"arm": "hf", "run": i, "prompt": j, "elapsed_s": time.perf_counter() - t0})
             times.append(time.perf_counter() - t0)
             out.line({"arm": "hf", "run": i, "seconds": times[-1]})
+            if time.perf_counter() > deadline:  # a measured run is enough to report; keep within budget
+                break
     tokens = len(prompts) * (len(prompts[0]) + output_len)
     del model
     gc.collect()
@@ -253,7 +294,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--hf-prompts", type=int, default=2, help="prompts the HF arm runs (one at a time)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="start no arm expected to end after this many seconds (nor another HF run)")
+    ap.add_argument("--no-phases", action="store_true", help="skip the extra run timing each model part")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deepinfer in batch-invariant mode (default: fast mode, cuBLAS matmuls)")
     ap.add_argument(
         "--arm",
         choices=("both", "deepinfer", "hf"),
@@ -286,28 +333,49 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
         "runs": args.runs,
+        "deterministic": args.deterministic,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
     }
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+
+    def skipped(need: float = 0.0) -> dict | None:
+        """A skip record when an arm expected to take `need` seconds would end past the budget."""
+        spent = time.perf_counter() - start
+        if time.perf_counter() + need <= deadline:
+            return None
+        return {"skipped": f"time budget: {spent:.0f} s spent, ~{need:.0f} s more needed, --budget-s "
+                           f"{args.budget_s:.0f}"}
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(cfg, Path(tmp) / "v4")
         if args.arm in ("both", "deepinfer"):
             report["deepinfer"] = bench_deepinfer(
-                model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out
+                model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out,
+                phases=not args.no_phases, deterministic=args.deterministic,
             )
             base = report["deepinfer"].pop("token_ids")
+            arm_s = time.perf_counter() - start  # what an MTP arm (no timed-parts run) takes at most
             for k in args.mtp_draft_lens:
-                arm = bench_deepinfer(
-                    model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out, draft_len=k
+                arm = skipped(arm_s) or bench_deepinfer(
+                    model_dir, cfg, prompts, args.output_len, args.runs, device, dtype, out, draft_len=k,
+                    phases=False, deterministic=args.deterministic,
                 )
-                # Greedy with MTP on must give the same tokens (verification is exact; fast mode may differ
-                # only where batch composition changes a bf16 near-tie, which this records, not hides).
-                arm["same_tokens_as_mtp_off"] = arm.pop("token_ids") == base
-                arm["time_vs_mtp_off"] = arm["seconds"]["median"] / report["deepinfer"]["seconds"]["median"]
+                if "skipped" not in arm:
+                    # Greedy with MTP on must give the same tokens (verification is exact; fast mode may
+                    # differ only where batch composition changes a bf16 near-tie: recorded, not hidden).
+                    arm["same_tokens_as_mtp_off"] = arm.pop("token_ids") == base
+                    arm["time_vs_mtp_off"] = (arm["seconds"]["median"]
+                                              / report["deepinfer"]["seconds"]["median"])
                 report[f"deepinfer_mtp_k{k}"] = arm
         if args.arm in ("both", "hf"):
-            report["hf"] = bench_hf(
-                model_dir, prompts, args.output_len, args.runs, device, getattr(torch, dtype), out
+            hf_prompts = prompts[: max(1, args.hf_prompts)]
+            report["hf_num_prompts"] = len(hf_prompts)
+            report["hf"] = skipped() or bench_hf(
+                model_dir, hf_prompts, args.output_len, args.runs, device, getattr(torch, dtype), out,
+                deadline=deadline,
             )
+    report["wall_s"] = time.perf_counter() - start
     out.summary(report)
 
 

@@ -1,21 +1,28 @@
-"""FP8 benchmark: GEMM TFLOP/s on Llama-3.1-8B layer shapes and end-to-end 8B-shape throughput, FP8 vs bf16.
+"""FP8 benchmark (issue 16): GEMMs in CUDA graphs on Llama-3.1-8B layer shapes, the DeepSeek-V2-Lite routed
+experts, a tile sweep, and end-to-end throughput of FP8 vs bf16 in the same process.
 
-GEMMs (one H200, bf16 activations): bf16 cuBLAS (`x @ w.T`), torch._scaled_mm (e4m3, rowwise scales,
-operands pre-quantized: the FP8 matmul ceiling), deepinfer's `fp8_linear` fast and invariant (activation
-quantization included) on qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096 at
-M in 1, 16, 64, 256, 2048. Medians of >= 3 timed runs (CUDA events, 20 calls each). MoE: DeepSeek-V2-Lite
-expert shapes, FP8 grouped GEMM vs a bf16 per-expert cuBLAS loop (16 / 256 / 2048 tokens, top-6 of 64).
-End to end: Llama-3.1-8B shape, random weights (`load_format="dummy"`), 256 prompts of 256 random tokens,
-128 greedy output tokens; arms bf16 / FP8 weights (quantization="fp8") / FP8 weights + FP8 KV, deterministic
-and fast; output tokens/s medians of 3 runs after a warm-up, all in the same process.
+GEMMs (benchmarks/fp8_gemm_timing.py; µs per call, 20 calls captured per CUDA graph, median of 5 replays):
+cuBLAS bf16, torch._scaled_mm rowwise (the FP8 ceiling), ours block-scaled (K loops 0, 1, 2), ours rowwise
+(deterministic and fast tiles), each with the activation quantization included (`*_quant`) and alone
+(`*_alone`), plus the quantizations alone; qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
+4096x14336 at M = 64, 256, 2048. MoE: the whole routed-expert op of DeepSeek-V2-Lite (64 experts, top-6,
+hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py.
+End to end (`LLM.generate`, random weights via load_format="dummy", greedy, every request forced to its
+length, one warm-up then `--runs` measured runs, medians): Llama-3.1-8B shape, 256 prompts x 512 tokens,
+256 output tokens; DeepSeek-V2-Lite shape (benchmarks/bench_deepseek.py), 128 prompts x 512, 128 out.
 
-    python3 benchmarks/bench_fp8.py --json out/bench_fp8.json          # H200: about 5-6 minutes
-    python3 benchmarks/bench_fp8.py --quick                            # CPU smoke test (seconds)
+On one H200 (estimates, not yet measured; each command is meant to stay under 8 minutes):
+    python3 benchmarks/bench_fp8.py --json out/fp8_a.json     # GEMMs + MoE + bf16-det, fp8ch-det/fast: ~5 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8-det,fp8ch-kv8-det --json out/fp8_b.json
+    python3 benchmarks/bench_fp8.py --skip-gemm --arms ds-bf16-det,ds-fp8-det,ds-fp8-fast --json out/c.json
+    python3 benchmarks/bench_fp8.py --sweep --skip-e2e --json out/fp8_sweep.json   # GEMMs + sweep, ~4 min
+    python3 benchmarks/bench_fp8.py --quick                   # CPU smoke test (about a minute)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -27,175 +34,155 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-MS = (1, 16, 64, 256, 2048)
+from benchmarks.fp8_gemm_timing import LLAMA_8B, MS, bench_gemms, bench_moe, gemm_table  # noqa: E402
+
+LLAMA = dict(shape="llama-3.1-8b", prompts=256, prompt_len=512, out_len=256)
+DEEPSEEK = dict(shape="deepseek-v2-lite", prompts=128, prompt_len=512, out_len=128)
 ARMS = {
-    "bf16-det": dict(quantization=None, deterministic=True),
-    "fp8-det": dict(quantization="fp8", deterministic=True),
-    "fp8-fast": dict(quantization="fp8", deterministic=False),
-    "fp8-kv8-det": dict(quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
-    "bf16-fast": dict(quantization=None, deterministic=False),
+    "bf16-det": dict(LLAMA, quantization=None, deterministic=True),
+    "bf16-fast": dict(LLAMA, quantization=None, deterministic=False),
+    "fp8-det": dict(LLAMA, quantization="fp8", deterministic=True),           # block-scaled 128 x 128
+    "fp8-fast": dict(LLAMA, quantization="fp8", deterministic=False),
+    "fp8ch-det": dict(LLAMA, quantization="fp8-channel", deterministic=True),  # per channel: rowwise GEMM
+    "fp8ch-fast": dict(LLAMA, quantization="fp8-channel", deterministic=False),
+    "fp8ch-kv8-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=True),
+    "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
+    "ds-bf16-det": dict(DEEPSEEK, quantization=None, deterministic=True),
+    "ds-fp8-det": dict(DEEPSEEK, quantization="fp8", deterministic=True),     # FP8 experts: grouped GEMM
+    "ds-fp8-fast": dict(DEEPSEEK, quantization="fp8", deterministic=False),
 }
+DEFAULT_ARMS = "bf16-det,fp8ch-det,fp8ch-fast"
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 128,
         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "bos_token_id": 0,
         "eos_token_id": 1, "torch_dtype": "bfloat16"}
 
 
-def _time(fn, runs: int, calls: int, cuda: bool) -> float:
-    """Median seconds per call over `runs` timed runs of `calls` calls (after one warm-up run)."""
-    fn()
-    out = []
-    for _ in range(runs):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3 / calls)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            out.append((time.perf_counter() - t0) / calls)
-    return statistics.median(out)
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
 
 
-def bench_gemms(quick: bool, runs: int) -> list[dict]:
-    from deepinfer.engine.models.quant.fp8_tensor import quantize_fp8_block, row_scales
-    from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref, quantize_act_ref
-
-    cuda = torch.cuda.is_available() and not quick
-    dev = "cuda" if cuda else "cpu"
-    layers = LAYERS if not quick else {"qkv": (192, 128), "down": (128, 256)}
-    ms = MS if not quick else (1, 16)
-    rows = []
-    for name, (n, k) in layers.items():
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        wq, inv = quantize_fp8_block(w, (128, 128))
-        ws = row_scales(inv, n, k, 128, (128, 128))
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            flops = 2.0 * m * n * k
-            arms = {"bf16_matmul": lambda x=x, w=w: x @ w.T}
-            if cuda:
-                from deepinfer.kernels.fp8_matmul import fp8_linear
-
-                xq, xs = quantize_act_ref(x, k)  # one scale per row: the rowwise _scaled_mm operands
-                ws_row = (w.float().abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
-                wq_row = (w.float() / ws_row).clamp(-448, 448).to(torch.float8_e4m3fn)
-                sb = ws_row.T.contiguous()
-                arms["scaled_mm_rowwise"] = lambda xq=xq, wr=wq_row, xs=xs, sb=sb: torch._scaled_mm(
-                    xq, wr.T, scale_a=xs, scale_b=sb, out_dtype=torch.bfloat16)
-                arms["fp8_linear_fast"] = lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws, invariant=False)
-                arms["fp8_linear_invariant"] = lambda x=x, wq=wq, ws=ws: fp8_linear(x, wq, ws, invariant=True)
-            else:
-                arms["fp8_reference"] = lambda x=x, wq=wq, ws=ws: fp8_linear_ref(x, wq, ws)
-            for arm, fn in arms.items():
-                sec = _time(fn, runs, 20 if cuda else 2, cuda)
-                row = {"layer": name, "m": m, "n": n, "k": k, "arm": arm, "seconds": sec,
-                       "tflops": flops / sec / 1e12}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    return rows
-
-
-def bench_moe(quick: bool, runs: int) -> list[dict]:
-    """DeepSeek-V2-Lite-sized experts (64 x [1408 -> 2048 down, 2048 -> 2816 gate_up], top-6): FP8 grouped
-    GEMM vs a bf16 per-expert loop of cuBLAS matmuls over the same expert-sorted rows."""
-    if quick or not torch.cuda.is_available():
-        return []
-    from deepinfer.engine.models.quant.fp8_tensor import quantize_fp8_block, row_scales
-    from deepinfer.kernels.fp8_matmul import fp8_grouped_linear
-
-    experts, top_k = 64, 6
-    rows = []
-    for name, (n, k) in {"gate_up": (2816, 2048), "down": (2048, 1408)}.items():
-        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        q, inv = quantize_fp8_block(w, (128, 128))
-        ws = torch.stack([row_scales(inv[e], n, k, 128, (128, 128)) for e in range(experts)])
-        for tokens in (16, 256, 2048):
-            gen = torch.Generator(device="cuda").manual_seed(tokens)
-            ids = torch.randint(0, experts, (tokens * top_k,), device="cuda", generator=gen).sort().values
-            counts = torch.bincount(ids, minlength=experts)
-            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-            bounds = offsets.tolist()
-            x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
-
-            def bf16_loop(x=x, w=w, bounds=bounds):
-                return [x[bounds[e]:bounds[e + 1]] @ w[e].T for e in range(experts)]
-
-            flops = 2.0 * tokens * top_k * n * k
-            arms = {"bf16_expert_loop": bf16_loop,
-                    "fp8_grouped_invariant": lambda x=x, q=q, ws=ws, o=offsets: fp8_grouped_linear(
-                        x, q, ws, o),
-                    "fp8_grouped_fast": lambda x=x, q=q, ws=ws, o=offsets: fp8_grouped_linear(
-                        x, q, ws, o, invariant=False)}
-            for arm, fn in arms.items():
-                sec = _time(fn, runs, 10, True)
-                row = {"moe": name, "tokens": tokens, "arm": arm, "seconds": sec,
-                       "tflops": flops / sec / 1e12}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    return rows
-
-
-def bench_e2e(quick: bool, runs: int, arms: list[str]) -> list[dict]:
-    from deepinfer.engine import LLM, SamplingParams
+def _model_dir(shape: str, root: Path, quick: bool) -> Path:
     from deepinfer.engine.models.demo import write_tokenizer_files
 
+    if quick and shape == "deepseek-v2-lite":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from benchmarks.bench_deepseek import TINY as TINY_DS
+        from benchmarks.bench_deepseek import write_model_dir
+
+        return write_model_dir(TINY_DS, root / "ds-tiny")
+    if quick:
+        d = root / "tiny"
+        if not d.exists():
+            d.mkdir(parents=True)
+            (d / "config.json").write_text(json.dumps(TINY))
+            write_tokenizer_files(d)
+        return d
+    if shape == "deepseek-v2-lite":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench_deepseek imports `common`
+        from benchmarks.bench_deepseek import V2_LITE, write_model_dir
+
+        return write_model_dir(V2_LITE, root / "ds")
     from benchmarks.shapes import write_shape
 
-    root = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
+    return write_shape(shape, root)
+
+
+def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
+    from deepinfer.engine import LLM, SamplingParams
+
+    spec = dict(ARMS[arm])
+    shape, n, prompt_len, out_len = (spec.pop(k) for k in ("shape", "prompts", "prompt_len", "out_len"))
     if quick:
-        model_dir = root / "tiny"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(TINY))
-        write_tokenizer_files(model_dir)
-        n, prompt_len, out_len, vocab, dev = 8, 32, 8, TINY["vocab_size"], "cpu"
-    else:
-        model_dir = write_shape("llama-3.1-8b", root)
-        n, prompt_len, out_len, vocab, dev = 256, 256, 128, 128256, "cuda"
+        n, prompt_len, out_len = 8, 32, 8
+    model_dir = _model_dir(shape, root, quick)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, vocab - 100, (n, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(10, vocab - 10, (n, prompt_len), generator=gen).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    dev = "cpu" if quick else "cuda"
+    mem = dict(num_kv_blocks=64) if quick else dict(gpu_memory_utilization=0.85)
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model_dir), dtype="bfloat16", device=dev, load_format="dummy",
+              max_model_len=prompt_len + out_len + 16, max_num_seqs=n, max_num_batched_tokens=16384,
+              **mem, **spec)
+    startup = time.perf_counter() - t0
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up: every batch shape seen once
+    secs, first, same = [], None, True
+    for _ in range(runs):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t0)
+        toks = [o.token_ids for o in outs]
+        same = same and (first is None or toks == first)
+        first = first or toks
+    tokens = sum(map(len, first))
+    med = statistics.median(secs)
+    return {"part": "e2e", "arm": arm, "shape": shape, "prompts": n, "prompt_len": prompt_len,
+            "out_len": out_len, "output_tokens": tokens, "seconds": secs, "seconds_median": med,
+            "out_tok_s": tokens / med, "out_tok_s_min": tokens / max(secs),
+            "out_tok_s_max": tokens / min(secs), "startup_s": startup,
+            "kv_blocks": llm.cache_cfg.num_blocks, "same_tokens_every_run": same}
+
+
+def bench_e2e(arms: list[str], runs: int, quick: bool) -> list[dict]:
+    """Each arm in turn (its engine freed before the next); a failing arm is recorded and skipped."""
+    root = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     rows = []
     for arm in arms:
-        llm = LLM(model=str(model_dir), dtype="bfloat16", device=dev, load_format="dummy",
-                  max_model_len=prompt_len + out_len + 16, max_num_seqs=n, max_num_batched_tokens=16384,
-                  gpu_memory_utilization=0.85, **ARMS[arm])
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up: every batch shape seen once
-        secs, tokens = [], None
-        for _ in range(runs):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            secs.append(time.perf_counter() - t0)
-            tokens = sum(len(o.token_ids) for o in outs)
-        row = {"arm": arm, "output_tokens": tokens, "seconds_median": statistics.median(secs),
-               "seconds": secs, "out_tok_s": tokens / statistics.median(secs),
-               "kv_blocks": llm.cache_cfg.num_blocks}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del llm, outs
-        if dev == "cuda":
+        try:
+            rec = _run_arm(arm, runs, quick, root)
+        except Exception as e:  # noqa: BLE001 - keep the other arms' figures (e.g. one arm out of memory)
+            rec = {"part": "e2e", "arm": arm, "error": f"{type(e).__name__}: {e}"}
+        else:
+            rows.append(rec)
+        emit(rec)
+        gc.collect()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return rows
+
+
+def _e2e_ratios(rows: list[dict]) -> dict[str, float]:
+    """Each arm's out tok/s over its shape's bf16 deterministic arm of the same run."""
+    base = {r["shape"]: r["out_tok_s"] for r in rows if r["arm"] in ("bf16-det", "ds-bf16-det")}
+    return {r["arm"]: r["out_tok_s"] / base[r["shape"]] for r in rows if r["shape"] in base}
+
+
+def _quick_gemms() -> list[dict]:
+    """CPU smoke test of the arms' math: the references on tiny shapes (the kernels need a GPU)."""
+    from deepinfer.engine.models.quant.fp8_tensor import quantize_fp8_block, quantize_fp8_channel, row_scales
+    from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref, fp8_rowwise_linear_ref
+
+    rows = []
+    for name, (n, k) in {"qkv": (192, 128), "down": (128, 256)}.items():
+        w = torch.randn(n, k) * 0.02
+        x = torch.randn(16, k)
+        q, inv = quantize_fp8_block(w, (128, 128))
+        block = fp8_linear_ref(x, q, row_scales(inv, n, k, 128, (128, 128)))
+        rowwise = fp8_rowwise_linear_ref(x, *quantize_fp8_channel(w))
+        dense = x @ w.T
+        rec = {"part": "gemm-quick", "layer": name,
+               "block_rel_err": float((block - dense).abs().max() / dense.abs().max()),
+               "rowwise_rel_err": float((rowwise - dense).abs().max() / dense.abs().max())}
+        rows.append(rec)
+        emit(rec)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, torch reference")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--arms", default="bf16-det,fp8-det,fp8-fast,fp8-kv8-det",
-                    help=f"end-to-end arms, of {','.join(ARMS)}")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, torch references")
+    ap.add_argument("--runs", type=int, default=3, help="measured end-to-end runs per arm (>= 3)")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"end-to-end arms, of {','.join(ARMS)}")
     ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--skip-gemm", action="store_true", help="only the end-to-end arms")
+    ap.add_argument("--skip-gemm", action="store_true", help="no GEMM / MoE timing")
+    ap.add_argument("--sweep", action="store_true", help="also the tile sweep (benchmarks/fp8_sweep.py)")
+    ap.add_argument("--layers", default=",".join(LLAMA_8B), help="GEMM layers, of qkv,o,gate_up,down")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     args = ap.parse_args(argv)
     if args.runs < 3:
@@ -204,18 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"unknown arms {unknown}; choose from {sorted(ARMS)}")
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.quick
-              else "cpu",
-              "torch": torch.__version__}
+    layers = {name: LLAMA_8B[name] for name in args.layers.split(",") if name}
+    cuda = torch.cuda.is_available() and not args.quick
+    if not cuda and not args.quick:
+        ap.error("needs a CUDA GPU (or --quick for the CPU smoke test)")
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
+                    "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    t_start = time.perf_counter()
     if not args.skip_gemm:
-        result["gemm"] = bench_gemms(args.quick, args.runs)
-        result["moe"] = bench_moe(args.quick, args.runs)
+        if cuda:
+            result["gemm"] = bench_gemms(layers, MS, emit)
+            result["moe"] = bench_moe(emit)
+            print(gemm_table(result["gemm"]), flush=True)
+        else:
+            result["gemm"] = _quick_gemms()
+    if args.sweep and cuda:
+        from benchmarks.fp8_sweep import sweep
+
+        result["sweep"] = sweep(layers, MS, emit)
     if not args.skip_e2e:
-        result["e2e"] = bench_e2e(args.quick, args.runs, arms)
+        result["e2e"] = bench_e2e(arms, args.runs, args.quick)
+        result["e2e_vs_bf16_det"] = _e2e_ratios(result["e2e"])
+        emit({"part": "e2e-summary", **result["e2e_vs_bf16_det"]})
+    result["wall_s"] = time.perf_counter() - t_start
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

@@ -97,7 +97,8 @@ class LLM:
         DEEPINFER_DISABLE_CUDA_GRAPHS=1). async_scheduling: overlap host work with the device step
         (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic mode.
         quantization: None (model dtype; FP8 checkpoints dequantized), "auto" (FP8 GEMMs for an FP8
-        checkpoint on CUDA) or "fp8" (also quantizes a bf16 checkpoint at load); see models/quant/.
+        checkpoint on CUDA), "fp8" (also quantizes a bf16 checkpoint at load, 128x128 blocks) or
+        "fp8-channel" (quantizes at load per output channel: the rowwise FP8 GEMM); see models/quant/.
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-head scales; about twice the
         sequences fit). speculative_mtp: draft with a DeepSeek checkpoint's MTP layer and verify exactly
         (engine/spec_decode/; same output bytes): True / an MTPConfig turns it on, False off, None reads

@@ -10,6 +10,13 @@ Batch invariance (`invariant=True`, deterministic mode): the quantization is row
 config is a function of (N, K, GROUP) only, K is walked in increasing order with no split-K, rows past M
 read row 0 and are never stored; so a row's bits do not depend on M or on the other rows. `M` is not
 specialised on, so one binary serves every M. The fast mode picks the tile height from M.
+
+Three K loops (config key K_LOOP, compared by benchmarks/bench_fp8.py --sweep; 0 stays the default until
+measured slower): 0 scales each step's dot into the accumulator right after it; 1 issues step k's dot
+before step k-1's scaling (software-pipelined promotion): the same float32 operations in the same order,
+so the same bits as 0 (the sweep checks it on the device); 2 keeps two partial accumulators (even / odd
+steps, other bits, still batch-invariant).
+Per-channel / per-tensor weights take the rowwise kernel instead (kernels/fp8_rowwise.py).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
-__all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_tile_config"]
+__all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_grouped_matmul", "fp8_tile_config",
+           "block_candidates"]
 
 
 @triton.jit
@@ -86,7 +94,21 @@ def fp8_tile_config(m: int | None, n: int, k: int, group: int) -> dict[str, int]
     per-K-step rescale of the accumulator keeps the dot from pipelining), so both modes use it for every M.
     """
     del m, n, k  # kept in the signature so an (M, N, K)-dependent policy can return
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": group, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return _block_cfg(64, 128, group, 4, 3, 0)
+
+
+def _block_cfg(bm: int, bn: int, group: int, warps: int, stages: int, k_loop: int) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": group, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, "K_LOOP": k_loop}
+
+
+def block_candidates(group: int = 128) -> tuple[dict[str, int], ...]:
+    """Tile configs a sweep compares (benchmarks/bench_fp8.py --sweep) with each K loop (K_LOOP 0: the
+    default, the dot then its promotion each step; 1: the next step's dot issued before the promotion;
+    2: two partial accumulators, even and odd steps)."""
+    shapes = ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+              (64, 256, 4, 3), (64, 64, 4, 4))
+    return tuple(_block_cfg(bm, bn, group, w, st, loop) for loop in (0, 1, 2) for bm, bn, w, st in shapes)
 
 
 @triton.jit
@@ -105,11 +127,74 @@ def _scaled_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ak, stride_b
     return acc
 
 
+@triton.jit
+def _lagged_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, stride_ak, stride_bk,
+                   BLOCK_K: tl.constexpr):
+    # K_LOOP=1: step k's dot is issued before step k-1's promotion FMA, so the tensor cores work on the
+    # next product while the previous one is scaled into the accumulator (the default loop must wait for
+    # each dot before its FMA). Same products, same scales, same FMA order: bitwise the default loop.
+    offs_k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    b = tl.load(b_ptrs, mask=offs_k[:, None] < K, other=0.0)
+    part = tl.dot(a, b)
+    # The scales travel as vectors (a [BLOCK_M, BLOCK_N] scale tile would cost another accumulator's worth
+    # of registers); the outer product is formed in the FMA, as in the default loop.
+    a_s = tl.load(as_ptrs)
+    b_s = tl.load(bs_ptrs)
+    for ki in range(1, tl.cdiv(K, BLOCK_K)):
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        k_left = K - ki * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        nxt = tl.dot(a, b)
+        acc += part * (a_s[:, None] * b_s[None, :])
+        a_s = tl.load(as_ptrs + ki)
+        b_s = tl.load(bs_ptrs + ki)
+        part = nxt
+    acc += part * (a_s[:, None] * b_s[None, :])
+    return acc
+
+
+@triton.jit
+def _paired_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, BLOCK_K: tl.constexpr):
+    # K_LOOP=2: even and odd K steps go to two partial accumulators (two independent dots in flight per
+    # promotion), summed once at the end. Other bits than loops 0/1 (another summation order), but the
+    # order is fixed by K alone, so still batch-invariant.
+    offs_k = tl.arange(0, BLOCK_K)
+    steps = tl.cdiv(K, BLOCK_K)
+    acc_odd = tl.zeros_like(acc)
+    for ki in range(0, tl.cdiv(steps, 2)):
+        k0 = 2 * ki * BLOCK_K
+        a0 = tl.load(a_ptrs + k0, mask=offs_k[None, :] < K - k0, other=0.0)
+        b0 = tl.load(b_ptrs + k0, mask=offs_k[:, None] < K - k0, other=0.0)
+        a1 = tl.load(a_ptrs + k0 + BLOCK_K, mask=offs_k[None, :] < K - k0 - BLOCK_K, other=0.0)
+        b1 = tl.load(b_ptrs + k0 + BLOCK_K, mask=offs_k[:, None] < K - k0 - BLOCK_K, other=0.0)
+        d0 = tl.dot(a0, b0)
+        d1 = tl.dot(a1, b1)
+        acc += d0 * (tl.load(as_ptrs + 2 * ki)[:, None] * tl.load(bs_ptrs + 2 * ki)[None, :])
+        # Past the last step d1 is all zeros: any in-range scale (the last) keeps acc_odd unchanged.
+        odd = tl.minimum(2 * ki + 1, steps - 1)
+        acc_odd += d1 * (tl.load(as_ptrs + odd)[:, None] * tl.load(bs_ptrs + odd)[None, :])
+    return acc + acc_odd
+
+
+@triton.jit
+def _k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, BLOCK_K: tl.constexpr, K_LOOP: tl.constexpr):
+    if K_LOOP == 1:
+        acc = _lagged_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, 1, 1, BLOCK_K)
+    elif K_LOOP == 2:
+        acc = _paired_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, BLOCK_K)
+    else:
+        acc = _scaled_k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, 1, 1, BLOCK_K)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_LOOP: tl.constexpr):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -124,9 +209,9 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _scaled_k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-                         b_ptr + cols[None, :] * stride_bn + offs_k[:, None],
-                         as_ptr + rows * stride_asm, bs_ptr + cols * stride_bsn, K, 1, 1, BLOCK_K)
+    acc = _k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                  b_ptr + cols[None, :] * stride_bn + offs_k[:, None],
+                  as_ptr + rows * stride_asm, bs_ptr + cols * stride_bsn, K, BLOCK_K, K_LOOP)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -159,17 +244,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     m, k = x.shape
     _check_weight(weight, weight_scale, k, group, (), x.device)
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    xq, xs = quantize_act(x, group)
+    cfg = {**(config or fp8_tile_config(None if invariant else m, n, k, group)), "BLOCK_K": group}
+    return block_matmul(xq, xs, weight, weight_scale, bias, x.dtype, cfg)
+
+
+def block_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int]) -> torch.Tensor:
+    """The GEMM alone on rows quantized by `quantize_act` (group = config["BLOCK_K"]); benchmarks time it
+    without the quantization."""
+    cfg = config
+    m, k = xq.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    xq, xs = quantize_act(x, group)
-    cfg = config or fp8_tile_config(None if invariant else m, n, k, group)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
         xq.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group,
-        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], K_LOOP=cfg.get("K_LOOP", 0), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
@@ -178,7 +276,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile_expert_ptr, tile_start_ptr,
                         tile_end_ptr, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse,
                         stride_bsn, stride_om, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_LOOP: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)
@@ -192,10 +290,10 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile_expert_ptr, 
         offs_k = tl.arange(0, BLOCK_K)
         e = expert.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _scaled_k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-                             b_ptr + e * stride_be + cols[None, :] * stride_bn + offs_k[:, None],
-                             as_ptr + rows * stride_asm, bs_ptr + e * stride_bse + cols * stride_bsn,
-                             K, 1, 1, BLOCK_K)
+        acc = _k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],
+                      b_ptr + e * stride_be + cols[None, :] * stride_bn + offs_k[:, None],
+                      as_ptr + rows * stride_asm, bs_ptr + e * stride_bse + cols * stride_bsn,
+                      K, BLOCK_K, K_LOOP)
         mask = (offs_m[:, None] < end) & (offs_n[None, :] < N)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -217,29 +315,43 @@ def _tile_map(expert_offsets: torch.Tensor, num_tokens: int, block_m: int
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       expert_offsets: torch.Tensor, *, group: int = 128, invariant: bool = True
-                       ) -> torch.Tensor:
+                       expert_offsets: torch.Tensor, *, group: int = 128, invariant: bool = True,
+                       config: dict[str, int] | None = None) -> torch.Tensor:
     """Expert-sorted x [T, K] (rows expert_offsets[e]:expert_offsets[e+1] belong to expert e) through
     weight [E, N, K] with row scales [E, N, K/group] -> [T, N]. A row's bits depend only on the row and
     its expert (tiles start at each expert segment), so with `invariant` it is batch-invariant."""
     check_tensor("x", x, ndim=2)
     t, k = x.shape
     _check_weight(weight, weight_scale, k, group, (weight.shape[0],), x.device)
-    num_experts, n = weight.shape[0], weight.shape[1]
+    num_experts = weight.shape[0]
     if expert_offsets.shape != (num_experts + 1,):
         raise ValueError(f"expert_offsets: shape {tuple(expert_offsets.shape)}, expected "
                          f"({num_experts + 1},)")
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0 or weight.shape[1] == 0:
+        return torch.empty((t, weight.shape[1]), dtype=x.dtype, device=x.device)
+    xq, xs = quantize_act(x, group)
+    return fp8_grouped_matmul(xq, xs, weight, weight_scale, expert_offsets, x.dtype, group=group,
+                              invariant=invariant, config=config)
+
+
+def fp8_grouped_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       expert_offsets: torch.Tensor, out_dtype: torch.dtype, *, group: int = 128,
+                       invariant: bool = True, config: dict[str, int] | None = None) -> torch.Tensor:
+    """`fp8_grouped_linear` on rows already quantized by `quantize_act` (xq e4m3 [T, K], xs [T, K/group]):
+    the MoE quantizes each token once and gathers its rows per expert (kernels/fp8_moe.py)."""
+    t, k = xq.shape
+    num_experts, n = weight.shape[0], weight.shape[1]
+    out = torch.empty((t, n), dtype=out_dtype, device=xq.device)
     if t == 0 or n == 0:
         return out
-    xq, xs = quantize_act(x, group)
-    cfg = fp8_tile_config(None if invariant else t, n, k, group)
+    cfg = config or fp8_tile_config(None if invariant else t, n, k, group)
     tile_expert, tile_start, tile_end = _tile_map(expert_offsets, t, cfg["BLOCK_M"])
     grid = (tile_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     _fp8_grouped_kernel[grid](
         xq, xs, weight, weight_scale, out, tile_expert, tile_start, tile_end, n, k,
         xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0),
         weight_scale.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, K_LOOP=cfg.get("K_LOOP", 0), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out

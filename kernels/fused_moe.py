@@ -8,7 +8,9 @@ sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) with e =
    so every row block of the sorted list belongs to one expert. Blocks past the real ones are marked -1
    (the grid is sized by an upper bound, T*K + E*(BLOCK_M-1) rows, so no count is read on the host).
 2. `_gate_up_kernel`: per (row block, column block), the block's expert's gate and up rows times the rows'
-   tokens, two fp32 accumulators, silu(gate) * up in fp32, stored in x's dtype: h [rows, I].
+   tokens, two fp32 accumulators, silu(gate) * up in fp32, stored in x's dtype: h [rows, I]. With
+   `swiglu_limit` (DeepSeek-V4's clipped SwiGLU; the CLIP constexpr variant, so the default kernel is
+   unchanged) the fp32 accumulators are clamped first: gate <= limit, -limit <= up <= limit.
 3. `_down_kernel`: h @ down[e]^T per row block: y [rows, H].
 4. `_combine_kernel`: out[t] = sum_k weights[t, k] * y[row of (t, k)], k in slot order (the routers sort
    slots by expert id), fp32, one program per token: no atomics.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.reference.fused_moe import check_fused_moe_args
+from deepinfer.kernels.reference.fused_moe import check_fused_moe_args, check_swiglu_limit
 
 __all__ = ["fused_moe", "moe_align", "moe_tile_config"]
 
@@ -70,8 +72,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
-    N, K, stride_xt, stride_we, stride_wn, stride_wk,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr,
+    N, K, stride_xt, stride_we, stride_wn, stride_wk, limit,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, CLIP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -106,6 +108,11 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    if CLIP:
+        # torch.clamp's semantics on the fp32 accumulators: gate clamped from above only, up both ways; a
+        # NaN compares false and stays NaN.
+        acc_g = tl.where(acc_g > limit, limit, acc_g)
+        acc_u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
@@ -160,14 +167,17 @@ def _combine_kernel(y_ptr, w_ptr, row_of_ptr, out_ptr, H, stride_ot,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+              down: torch.Tensor, invariant: bool = True, swiglu_limit: float | None = None) -> torch.Tensor:
     """Routed experts' weighted sum: x [T, H], ids/weights [T, K], gate_up [E, 2I, H], down [E, H, I].
 
     Returns [T, H] in x's dtype. weights are float32 (as the routers give them); ids int32/int64.
     `invariant=False` (fast mode) lets small batches take 16-row blocks (less padding work when each expert
     gets a few tokens); a different block shape may round differently, so deterministic mode never does.
+    `swiglu_limit` (a positive float) clips the activation's inputs: silu(min(gate, limit)) *
+    clamp(up, -limit, limit), as DeepSeek-V4's experts do; None is the plain SwiGLU.
     """
     check_fused_moe_args(x, ids, weights, gate_up, down)
+    check_swiglu_limit(swiglu_limit)
     num_tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, two_inter, _ = gate_up.shape
@@ -190,7 +200,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, cfg1["BLOCK_N"]))](
         x, gate_up, h, sorted_ids, block_expert,
         inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        TOP_K=top_k, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
+        float(swiglu_limit or 0.0),   # fp32 kernel argument; unread unless CLIP
+        TOP_K=top_k, IEEE=ieee, CLIP=swiglu_limit is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
     )
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, cfg2["BLOCK_N"]))](

@@ -182,7 +182,10 @@ class BlockManager:
         done = self._num_hashed.get(seq.seq_id)
         if done is None:
             raise RuntimeError(f"seq {seq.seq_id} holds no blocks")
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        full = seq.num_computed_tokens // self.block_size
+        if full <= done:   # the common case, a decode inside its last block: nothing became full
+            return
+        full = min(full, len(seq.block_table))
         if full <= done:
             return
         hashes = self.block_hashes(seq, full)

@@ -38,18 +38,19 @@ class Finish:
 def token_finish_reason(seq: Sequence, max_model_len: int) -> str | None:
     """Rules 2-4 of the module docstring: the finish reason from token ids and lengths alone, or None."""
     params = seq.params
-    n_out = seq.num_output_tokens
+    outs = seq.output_token_ids
+    n_out = len(outs)
     if n_out == 0:
         return None
-    last = seq.output_token_ids[-1]
     if n_out > params.min_tokens:
+        last = outs[-1]
         if not params.ignore_eos and last in seq.eos_token_ids:
             return "stop"
         if params.stop_token_ids and last in params.stop_token_ids:
             return "stop"
     if params.max_tokens is not None and n_out >= params.max_tokens:
         return "length"
-    if seq.num_tokens >= max_model_len:
+    if len(seq.prompt_token_ids) + n_out >= max_model_len:
         return "length"
     return None
 
@@ -71,9 +72,10 @@ class FinishRules:
         token = seq.output_token_ids[-1]
         grammar_complete = self.structured is not None and self.structured.advance(seq, token)
         stop_string = False
-        if seq.detokenizer is not None:
-            seq.detokenizer.add_token(token)
-            stop_string = seq.detokenizer.stopped
+        detok = seq.detokenizer
+        if detok is not None:
+            detok.add_token(token)
+            stop_string = detok.stopped
         by_tokens = token_finish_reason(seq, self.max_model_len)
         if grammar_complete or stop_string:
             return Finish("stop", by_token_rule=by_tokens is not None)

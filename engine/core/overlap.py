@@ -27,11 +27,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deepinfer.engine.core.scheduler_output import SchedulerOutput
-from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence
+from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from deepinfer.engine.core.engine_core import EngineCore
     from deepinfer.engine.runner.step_executor import SampledTokens
+
+
+_FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -70,8 +73,9 @@ def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stat
                 _apply(core, inflight, on_finish)
                 inflight = None
             if fwd is not None:
-                alive = [s.seq for s in out.sampled if not s.seq.is_finished]
-                stats.wasted_rows += len(out.sampled) - len(alive)
+                sampled = out.sampled
+                alive = [seq for seq in (s.seq for s in sampled) if seq.status is not _FINISHED]
+                stats.wasted_rows += len(sampled) - len(alive)
                 tokens = executor.sample(fwd, alive)
                 for seq in alive:
                     seq.output_token_ids.append(PENDING_TOKEN)

@@ -32,7 +32,9 @@ from deepinfer.engine.core.scheduler_output import (
     ScheduledSequence,
     SchedulerOutput,
 )
-from deepinfer.engine.core.sequence import Sequence, SequenceStatus
+from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+
+_RUNNING, _FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 
 def _priority(seq: Sequence) -> tuple[int, int]:
@@ -72,6 +74,10 @@ class Scheduler:
         self.running: list[Sequence] = []     # kept sorted by _priority
         self._ids: set[int] = set()           # ids of unfinished sequences, to reject duplicates
         self._last_priority: tuple[int, int] | None = None
+        # A plain BlockManager's append_slots only grows the table, so a decode whose slot lies in a block
+        # the sequence already holds needs no call to it (_schedule_running). Subclasses (window_blocks.py
+        # releases blocks on append) always take the full path.
+        self._append_in_place = type(block_manager) is BlockManager
 
     # ---- requests ------------------------------------------------------------------------------
     def max_kv_tokens(self, seq: Sequence) -> int:
@@ -165,12 +171,32 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
+        mml = self.cfg.max_model_len
+        slots_per_block = self.block_size
+        in_place = self._append_in_place
+        scheduled = out.scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.has_pending_token and token_finish_reason(seq, self.cfg.max_model_len) == "length":
+            outs = seq.output_token_ids
+            n_out = len(outs)
+            num_tokens = len(seq.prompt_token_ids) + n_out
+            if n_out and outs[-1] == PENDING_TOKEN:
+                max_tokens = seq.params.max_tokens
                 # Overlapped loop: its in-flight token is its last whatever its value (max_tokens or
-                # max_model_len), so another step would be computed only to be thrown away.
+                # max_model_len), so another step would be computed only to be thrown away. (The length
+                # test first, cheaply; the finish rules then decide as they do for a resolved token.)
+                if ((max_tokens is not None and n_out >= max_tokens) or num_tokens >= mml) and \
+                        token_finish_reason(seq, mml) == "length":
+                    i += 1
+                    continue
+            start = seq.num_computed_tokens
+            if (in_place and num_tokens - start == 1 and not seq.draft_token_ids
+                    and start < len(seq.block_table) * slots_per_block):
+                # A decode whose slot is in a block it already holds: nothing to allocate or preempt for,
+                # exactly what the general path below does for it.
+                scheduled.append(ScheduledSequence(seq, start, 1, True))
+                budget -= 1
                 i += 1
                 continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
@@ -255,8 +281,11 @@ class Scheduler:
         """Overlapped loop: count the step's tokens as computed as soon as it is launched, so the next
         schedule, built before this step's results are read, continues after them. `update(out, ...,
         launched=True)` then applies the rest."""
-        for s in out.scheduled:
-            self._advance(s)
+        for s in out.scheduled:   # _advance, inlined: this runs once per running sequence per step
+            seq = s.seq
+            if seq.num_computed_tokens != s.start:
+                self._advance(s)   # raises
+            seq.num_computed_tokens = s.start + s.num_new_tokens
 
     def _advance(self, s: ScheduledSequence) -> None:
         seq = s.seq
@@ -276,7 +305,11 @@ class Scheduler:
         launched=True (overlapped loop): `commit_launch(out)` already advanced the computed tokens, the
         next step may already have been scheduled (and have preempted some of these sequences), and each
         sampled sequence holds a PENDING_TOKEN that the real token replaces."""
-        sampled = {sid: i for i, sid in enumerate(runner_out.seq_ids)}
+        ids, tokens, logprobs, spec = (runner_out.seq_ids, runner_out.token_ids, runner_out.logprobs,
+                                       runner_out.spec_token_ids)
+        rows: dict[int, int] | None = None   # seq_id -> row; built only when rows are not in batch order
+        k = 0                                # the row expected next (rows come in batch order)
+        mark_computed, check = self.block_manager.mark_computed, self.finish_rules.check
         finished: list[Sequence] = []
         # Requests that only a text rule (stop string, grammar) ended release their blocks after the rest of
         # the step, the others at once. The release order decides which blocks later requests get and which
@@ -285,35 +318,45 @@ class Scheduler:
         text_finished: list[tuple[Sequence, str]] = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:     # finished from outside between schedule() and update()
+            if seq.status is _FINISHED:     # finished from outside between schedule() and update()
                 continue
             if not launched:
                 self._advance(s)
-            j = sampled.get(seq.seq_id) if s.sample else None
-            if s.sample and j is None:
-                raise RuntimeError(f"model runner returned no token for sampled seq {seq.seq_id}")
-            if j is not None and runner_out.spec_token_ids and seq.seq_id in runner_out.spec_token_ids:
-                self._apply_verdict(seq, self._commit_verified(s, runner_out), finished, text_finished)
-                continue
-            if j is not None:
-                if launched:
-                    if not seq.has_pending_token:
-                        raise RuntimeError(f"seq {seq.seq_id}: no pending token to resolve")
-                    seq.output_token_ids[-1] = runner_out.token_ids[j]
+            j = None
+            if s.sample:
+                sid = seq.seq_id
+                if k < len(ids) and ids[k] == sid:
+                    j = k
                 else:
-                    seq.output_token_ids.append(runner_out.token_ids[j])
+                    rows = rows if rows is not None else {x: i for i, x in enumerate(ids)}
+                    j = rows.get(sid)
+                    if j is None:
+                        raise RuntimeError(f"model runner returned no token for sampled seq {sid}")
+                k = j + 1
+                if spec and sid in spec:
+                    self._apply_verdict(seq, self._commit_verified(s, runner_out), finished, text_finished)
+                    continue
+                outs = seq.output_token_ids
+                if launched:
+                    if not outs or outs[-1] != PENDING_TOKEN:
+                        raise RuntimeError(f"seq {sid}: no pending token to resolve")
+                    outs[-1] = tokens[j]
+                else:
+                    outs.append(tokens[j])
             # The token is resolved first: a launched step's successor may already count it as computed, and
             # registering a full block hashes its tokens. A sequence preempted since launch holds no blocks.
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.mark_computed(seq)
+            if seq.status is _RUNNING:
+                mark_computed(seq)
             if j is None:
                 continue
-            lp = runner_out.logprobs[j] if j < len(runner_out.logprobs) else None
+            lp = logprobs[j] if j < len(logprobs) else None
             if lp is not None:
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(lp)
-            self._apply_verdict(seq, self.finish_rules.check(seq), finished, text_finished)
+            verdict = check(seq)
+            if verdict is not None:
+                self._apply_verdict(seq, verdict, finished, text_finished)
         for seq, reason in text_finished:
             self.finish(seq, reason)
             finished.append(seq)

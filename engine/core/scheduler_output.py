@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from deepinfer.engine.core.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step."""
+    """One sequence's share of a step (slotted: a decode step creates one per running sequence)."""
 
     seq: Sequence
     # Tokens computed this step: positions [start, start + num_new_tokens) of seq.token_ids.
@@ -33,6 +33,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Sum of num_new_tokens: never above max_num_batched_tokens.
     num_batched_tokens: int = 0
+    # `sampled` memo: (the `scheduled` list and its length it was built from, the result). `scheduled` only
+    # grows (by schedule()), and the loop reads `sampled` several times per step.
+    _sampled: tuple[list[ScheduledSequence], int, list[ScheduledSequence]] | None = field(
+        default=None, repr=False, compare=False)
 
     @property
     def is_empty(self) -> bool:
@@ -40,7 +44,11 @@ class SchedulerOutput:
 
     @property
     def sampled(self) -> list[ScheduledSequence]:
-        return [s for s in self.scheduled if s.sample]
+        """The scheduled sequences that sample this step, in batch order (do not modify the list)."""
+        memo, sched = self._sampled, self.scheduled
+        if memo is None or memo[0] is not sched or memo[1] != len(sched):
+            memo = self._sampled = (sched, len(sched), [s for s in sched if s.sample])
+        return memo[2]
 
 
 @dataclass

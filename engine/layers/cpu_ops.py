@@ -7,11 +7,16 @@ import torch.nn.functional as F
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.activation import silu_and_mul_ref
-from deepinfer.kernels.reference.attention import chunked_paged_attention, paged_attention_ref
+from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.matmul import row_invariant_mm
 from deepinfer.kernels.reference.mla import mla_attention_ref
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
-from deepinfer.kernels.reference.tiled_attention import tiled_paged_attention
+from deepinfer.kernels.reference.tiled_attention import (
+    AttentionPlan,
+    plan_attention,
+    plan_key,
+    tiled_paged_attention,
+)
 
 
 class CpuInvariantOps(Ops):
@@ -19,6 +24,20 @@ class CpuInvariantOps(Ops):
 
     name = "cpu-invariant"
     deterministic = True
+
+    def __init__(self) -> None:
+        # The attention plan of the step being run: every layer of a step has the same metadata, so the
+        # tiling and its index tensors are built once per step, not once per layer (checked by value).
+        self._plan: AttentionPlan | None = None
+
+    def _attention_plan(self, q: torch.Tensor, k_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> AttentionPlan:
+        key = plan_key(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
+        plan = self._plan
+        if plan is None or not plan.fits(meta, key):
+            plan = plan_attention(meta, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.device)
+            self._plan = plan
+        return plan
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # torch.mm on CPU is not row-invariant (its kernel may depend on M); row_invariant_mm gives row i
@@ -34,18 +53,16 @@ class CpuInvariantOps(Ops):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # GEMM tiles where this CPU's BLAS passed their probe (the same answer for every call of a
-        # process, so a token always gets one definition of its bits); the elementwise chunks elsewhere.
-        out = tiled_paged_attention(q, k_cache, v_cache, meta, scale)
-        return out if out is not None else chunked_paged_attention(q, k_cache, v_cache, meta, scale)
+        # GEMM tiles where this CPU's BLAS passed their probes, the canonical GEMMs one by one elsewhere:
+        # one definition of a token's bits either way (kernels/reference/tiled_attention.py).
+        return tiled_paged_attention(q, k_cache, v_cache, meta, scale,
+                                     plan=self._attention_plan(q, k_cache, meta))
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
                       v_scale: torch.Tensor) -> torch.Tensor:
-        out = tiled_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        if out is None:
-            out = chunked_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        return out
+        return tiled_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
+                                     plan=self._attention_plan(q, k_cache, meta))
 
 
 class CpuFastOps(Ops):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.v4_attention import KeySource
 
 
 def _kernels():
@@ -109,21 +111,61 @@ class _CudaOps(Ops):
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                       gate_up: torch.Tensor, down: torch.Tensor,
+                       swiglu_limit: float | None = None) -> torch.Tensor:
         # kernels/fused_moe.py: expert-sorted grouped GEMMs, combined per token in slot order without
-        # atomics; fixed tiles when deterministic, small-batch tiles allowed in fast mode.
+        # atomics; fixed tiles when deterministic, small-batch tiles allowed in fast mode. The clipped
+        # SwiGLU (V4) is a constexpr variant of the gate_up kernel, clamping its fp32 accumulators.
         from deepinfer.kernels.fused_moe import fused_moe
 
         return fused_moe(x.contiguous(), ids.contiguous(), weights.to(torch.float32).contiguous(),
-                         gate_up, down, invariant=self.deterministic)
+                         gate_up, down, invariant=self.deterministic, swiglu_limit=swiglu_limit)
 
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None, group: int) -> torch.Tensor:
-        # FP8 GEMM (kernels/fp8_matmul.py): the batch-invariant tile config in deterministic mode.
+        # FP8 GEMMs, the batch-invariant tile config in deterministic mode. One K-group spanning K (per-
+        # channel / per-tensor weights): the rowwise kernel, scales applied once after the K loop
+        # (kernels/fp8_rowwise.py); else the block-scaled kernel (kernels/fp8_matmul.py).
+        if group >= x.shape[1] and weight_scale.shape[1] == 1:
+            from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear
+
+            return fp8_rowwise_linear(x.contiguous(), weight, weight_scale, bias,
+                                      invariant=self.deterministic)
         from deepinfer.kernels.fp8_matmul import fp8_linear
 
         return fp8_linear(x.contiguous(), weight, weight_scale, bias, group=group,
                           invariant=self.deterministic)
+
+    def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                           down_scale: torch.Tensor, group: int) -> torch.Tensor:
+        # kernels/fp8_moe.py: tokens quantized once, grouped FP8 GEMMs, combine in slot order.
+        from deepinfer.kernels.fp8_moe import fp8_fused_moe
+
+        return fp8_fused_moe(x.contiguous(), ids.contiguous(), weights.to(torch.float32).contiguous(),
+                             gate_up, gate_up_scale, down, down_scale, group=group,
+                             invariant=self.deterministic)
+
+    # kernels/v4_attention.py and v4_indexer.py read the keys by slot: nothing [T, L, D]-sized is gathered.
+    v4_gathers_keys = False
+
+    def v4_sink_attention(self, q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        # One kernel for both modes: batch-invariant by construction and faster than the gathered einsum.
+        # A cache in another dtype than q (not a layout the model builds) takes the shared reference path.
+        if any(rows.dtype != q.dtype for rows, _, _ in sources):
+            return super().v4_sink_attention(q, sources, sinks, scale)
+        from deepinfer.kernels.v4_attention import v4_sink_attention
+
+        return v4_sink_attention(q.contiguous(), sources, sinks.to(torch.float32).contiguous(), scale)
+
+    def v4_indexer_scores(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                          slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        if rows.dtype != q.dtype:
+            return super().v4_indexer_scores(q, weights, rows, slots, valid, scale)
+        from deepinfer.kernels.v4_indexer import indexer_scores
+
+        return indexer_scores(q, weights.to(torch.float32), rows, slots, valid, scale)
 
 
 class CudaInvariantOps(_CudaOps):

@@ -7,8 +7,10 @@ unbiased scores, normalised to sum 1 and times `routed_scaling_factor`, weight t
 and the shared MLP clip their pre-activations: gate <= limit, -limit <= up <= limit.
 
 Expert weights are fused as transformers holds them (`experts.gate_up_proj` [E, 2I, H],
-`down_proj` [E, H, I]).
-Chosen experts are sorted by id so a token's weighted sum runs in one fixed order (kernels/reference/moe.py).
+`down_proj` [E, H, I]) and run through `Ops.routed_experts(..., swiglu_limit=...)`: on CPU the reference
+(experts_ref + combine_experts, the clamp in the activation dtype as transformers does), on CUDA the fused
+Triton MoE (kernels/fused_moe.py's clipped variant, clamping fp32 accumulators). Chosen experts are sorted
+by id, and both paths sum a token's slots in that order (combine_experts; fused_moe's combine kernel).
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ import torch.nn.functional as F
 from deepinfer.engine.layers.linear import Linear, empty_param
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.models.deepseek_v4_config import DeepseekV4Config
-from deepinfer.kernels.reference.moe import combine_experts, experts_ref
+from deepinfer.kernels.reference.fused_moe import clip_gate_up
 from deepinfer.kernels.reference.pointwise import fixed_path
 from torch import nn
 
 
 def clipped_swiglu(x: torch.Tensor, limit: float, ops: Ops) -> torch.Tensor:
     """x [M, 2I] = [gate | up] -> silu(min(gate, limit)) * clamp(up, -limit, limit)."""
-    gate, up = x.chunk(2, dim=-1)
-    return ops.silu_and_mul(torch.cat([gate.clamp(max=limit), up.clamp(min=-limit, max=limit)], dim=-1))
+    return ops.silu_and_mul(clip_gate_up(x, limit))
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str, invariant: bool) -> torch.Tensor:
@@ -98,6 +99,9 @@ class ClippedMLP(nn.Module):
 
 
 class V4Experts(nn.Module):
+    """The routed experts' weights (checkpoint names `experts.gate_up_proj` / `experts.down_proj`) and their
+    clip `limit`; V4MoE runs them through `Ops.routed_experts`."""
+
     def __init__(
         self, cfg: DeepseekV4Config, ops: Ops, dtype: torch.dtype, device: torch.device | None
     ) -> None:
@@ -106,16 +110,6 @@ class V4Experts(nn.Module):
         e, inter, hidden = cfg.n_routed_experts, cfg.intermediate_size, cfg.hidden_size
         self.gate_up_proj = empty_param(e, 2 * inter, hidden, dtype=dtype, device=device)
         self.down_proj = empty_param(e, hidden, inter, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_ref(
-            x,
-            ids,
-            self.gate_up_proj,
-            self.down_proj,
-            linear=self.ops.linear,
-            act=lambda h: clipped_swiglu(h, self.limit, self.ops),
-        )
 
 
 class V4MoE(nn.Module):
@@ -133,4 +127,8 @@ class V4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return combine_experts(self.experts(x, ids), weights) + self.shared_experts(x)
+        ex = self.experts
+        # ids ascending per token (V4Router), weights float32 in the same slot order: the order both the
+        # CPU reference and the fused kernel's combine sum in.
+        routed = ex.ops.routed_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, swiglu_limit=ex.limit)
+        return routed + self.shared_experts(x)

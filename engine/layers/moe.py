@@ -84,9 +84,15 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        # Ops.routed_experts: the reference (experts_ref + combine_experts) on CPU, the fused Triton
-        # kernels (kernels/fused_moe.py) on CUDA.
-        out = self.ops.routed_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        ex = self.experts
+        if ex.gate_up_proj.dtype == torch.float8_e4m3fn:
+            # FP8 experts (models/quant/fp8_experts.py converted them): grouped FP8 GEMMs on CUDA.
+            out = self.ops.routed_experts_fp8(x, ids, weights, ex.gate_up_proj, ex.gate_up_scale,
+                                              ex.down_proj, ex.down_scale, ex.fp8_group)
+        else:
+            # Ops.routed_experts: the reference (experts_ref + combine_experts) on CPU, the fused Triton
+            # kernels (kernels/fused_moe.py) on CUDA.
+            out = self.ops.routed_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -7,6 +7,8 @@ and whether its prefix came from the cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.attention import paged_attention_ref
@@ -15,6 +17,8 @@ from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
 from deepinfer.kernels.reference.rotary_store import rotate_half_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
+from deepinfer.kernels.reference.v4_attention import KeySource, gather_keys, sink_attention
+from deepinfer.kernels.reference.v4_indexer import indexer_scores_ref
 
 
 class Ops:
@@ -33,6 +37,17 @@ class Ops:
         token-group of `group`. Shared version: the plain-torch reference (row-local, so batch-invariant);
         CUDA backends run the Triton FP8 GEMM."""
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
+
+    def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                           down_scale: torch.Tensor, group: int) -> torch.Tensor:
+        """`routed_experts` with block-scaled e4m3 experts (row scales [E, N, K/group], models/quant/
+        fp8_experts.py). Shared version: the plain reference (kernels/reference/fp8_moe.py); CUDA backends
+        run the grouped FP8 GEMMs (kernels/fp8_moe.py)."""
+        from deepinfer.kernels.reference.fp8_moe import fp8_moe_ref
+
+        return fp8_moe_ref(x, ids, weights, gate_up, gate_up_scale, down, down_scale, group,
+                           act=self.silu_and_mul)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Row-wise RMSNorm over the last dim of x [M, H]: float32 statistics as in transformers."""
@@ -119,17 +134,50 @@ class Ops:
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                       gate_up: torch.Tensor, down: torch.Tensor,
+                       swiglu_limit: float | None = None) -> torch.Tensor:
         """Routed MoE: x [T, H], ids/weights [T, K] (slots sorted by expert id), gate_up [E, 2I, H],
-        down [E, H, I] -> sum_k weights[:, k] * expert_ids[:, k](x), [T, H] in x's dtype.
+        down [E, H, I] -> sum_k weights[:, k] * expert_ids[:, k](x), [T, H] in x's dtype. `swiglu_limit`
+        (DeepSeek-V4): clipped SwiGLU, silu(min(gate, limit)) * clamp(up, -limit, limit).
 
         Shared version: each expert's rows through `self.linear` / `self.silu_and_mul` (row-invariant in
-        deterministic backends), slots summed term by term in slot order (kernels/reference/moe.py).
+        deterministic backends; the clamp first, kernels/reference/fused_moe.py's clip_gate_up), slots
+        summed term by term in slot order (kernels/reference/moe.py).
         """
+        from deepinfer.kernels.reference.fused_moe import clip_gate_up
         from deepinfer.kernels.reference.moe import combine_experts, experts_ref
 
-        out = experts_ref(x, ids, gate_up, down, linear=self.linear, act=self.silu_and_mul)
+        act = self.silu_and_mul
+        if swiglu_limit is not None:
+            def act(h: torch.Tensor) -> torch.Tensor:
+                return self.silu_and_mul(clip_gate_up(h, swiglu_limit))
+        out = experts_ref(x, ids, gate_up, down, linear=self.linear, act=act)
         return combine_experts(out, weights)
+
+    # Whether `v4_sink_attention` / `v4_indexer_scores` gather the keys [T, L, D] (and, deterministic,
+    # products [T, H, L, D]) first: the caller then bounds how many tokens one call covers.
+    v4_gathers_keys = True
+
+    def v4_sink_attention(self, q: torch.Tensor, sources: Sequence[KeySource], sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+        """DeepSeek-V4's attention: q [T, H, D] -> [T, H, D] in q's dtype. Token t attends to the valid
+        rows of each (rows [S, D], slots [T, L] int64, valid [T, L] bool) source in order (K = V), with a
+        per-head sink logit sinks [H] (float32) in the softmax denominator.
+
+        Shared version: gather the rows, then the plain-torch math (kernels/reference/v4_attention.py;
+        elementwise products and halving sums in deterministic mode). CUDA backends read the slots directly
+        in one Triton kernel (kernels/v4_attention.py)."""
+        keys, valid = gather_keys(sources)
+        return sink_attention(q, keys, valid, sinks, scale, self.deterministic).to(q.dtype)
+
+    def v4_indexer_scores(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                          slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+        """DeepSeek-V4's Lightning Indexer: total [T, C] float32 = sum_h weights[t, h] * relu(q[t, h] .
+        rows[slots[t, c]]) * scale, -inf where not valid[t, c]. q [T, H, dim], weights [T, H] float32.
+
+        Shared version: gather, then the plain-torch math (kernels/reference/v4_indexer.py; elementwise
+        products in deterministic mode). CUDA backends: one Triton kernel over the slots."""
+        return indexer_scores_ref(q, weights, rows, slots, valid, scale, self.deterministic)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(deterministic={self.deterministic})"

@@ -8,6 +8,9 @@ key = value head (kv_proj -> kv_norm -> rope). Each query attends to
 plus a learned per-head sink logit in the softmax denominator. The output's rope slice is rotated back by
 the query's position (K = V carried the rotation into V), then the grouped low-rank output projection:
 o_a_proj maps each of `o_groups` head groups to `o_lora_rank`, o_b_proj mixes the groups to hidden.
+The attention over each token's key slots is `ops.v4_sink_attention`, the indexer's scores
+`ops.v4_indexer_scores`: on CPU gathered plain torch (kernels/reference/v4_*.py), on CUDA Triton kernels
+that read the cache rows by slot (kernels/v4_attention.py, kernels/v4_indexer.py).
 """
 
 from __future__ import annotations
@@ -23,58 +26,15 @@ from deepinfer.engine.layers.v4_rope import V4Rotary, apply_v4_rotary
 from deepinfer.engine.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.attention import token_seq_index
-from deepinfer.kernels.reference.pointwise import fixed_path
+from deepinfer.kernels.reference.v4_attention import sink_attention
 from torch import nn
 
 # Bounds what one piece of query tokens gathers (and, deterministic, multiplies elementwise) at once:
-# 32 MiB of float32 on CPU, 16 times that on a GPU (fewer, larger launches).
+# 32 MiB of float32 on CPU, 16 times that on a GPU (fewer, larger launches). With ops that read the keys by
+# slot (CUDA) only the Lightning Indexer's keys still count.
 _PIECE_ELEMENTS = 1 << 23
 
-
-def _pow2_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` zero-padded to a power of two, by halving: the order depends on the length alone and
-    trailing zeros never change a bit, so a token's sum is the same whatever padding the batch needed."""
-    n = x.shape[dim]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        pad = list(x.shape)
-        pad[dim] = width - n
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    while width > 1:
-        width //= 2
-        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
-    return x.squeeze(dim)
-
-
-def sink_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    valid: torch.Tensor,
-    sinks: torch.Tensor,
-    scale: float,
-    invariant: bool,
-) -> torch.Tensor:
-    """q [T, H, D], keys = values [T, L, D], valid [T, L] -> [T, H, D] float32; the sink adds exp(sink) to
-    the softmax denominator only. Keys are ordered per token (window, then chosen compressed entries) with
-    the invalid ones zeroed, so padding contributes exact zeros."""
-    qf = q.to(torch.float32)
-    kf = torch.where(valid[..., None], keys.to(torch.float32), 0.0)
-    if invariant:
-        scores = (qf.unsqueeze(2) * kf.unsqueeze(1)).sum(-1) * scale  # [T, H, L]
-    else:
-        scores = torch.einsum("thd,tld->thl", qf, kf) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    sink = sinks.to(torch.float32)[None, :].expand(scores.shape[0], -1)
-    m = torch.maximum(scores.amax(dim=-1), sink)  # [T, H]: exact, and finite thanks to the sink
-    exp = (lambda t: fixed_path(torch.exp, t)) if invariant else torch.exp
-    p = exp(scores - m[..., None])
-    if invariant:
-        denom = _pow2_sum(p, 2) + exp(sink - m)
-        acc = _pow2_sum(p.unsqueeze(-1) * kf.unsqueeze(1), 2) + 0.0
-    else:
-        denom = p.sum(-1) + exp(sink - m)
-        acc = torch.einsum("thl,tld->thd", p, kf)
-    return acc / denom[..., None]
+__all__ = ["V4Attention", "sink_attention"]
 
 
 class V4Attention(nn.Module):
@@ -176,16 +136,19 @@ class V4Attention(nn.Module):
         # elementwise products) stay bounded, whatever the prompt length.
         chosen = c if self.kind != CSA else min(self.cfg.index_topk, c)
         det = self.ops.deterministic
-        per_token = (self.cfg.window + chosen) * d * (h if det else 1)
-        if self.kind == CSA:
-            per_token += c * self.cfg.index_head_dim * (self.cfg.index_n_heads if det else 1)
+        gathers = self.ops.v4_gathers_keys
+        per_token = (self.cfg.window + chosen) * (d * (h if det else 1) if gathers else 1)
+        if self.kind == CSA:  # the indexer's keys (products), or its scores [T, C] alone
+            per_key = self.cfg.index_head_dim * (self.cfg.index_n_heads if det else 1)
+            per_token += c * (per_key if gathers else 1)
         step = max(1, (_PIECE_ELEMENTS << (4 if x.is_cuda else 0)) // per_token)
         out = torch.empty_like(q)
+        window_rows = flat[:, lay.swa]
         for a in range(0, t, step):
             sl = slice(a, a + step)
-            keys, valid = self._window_keys(flat, tables[sl], positions[sl], bs)
+            sources = [(window_rows, *self._window_slots(tables[sl], positions[sl], bs))]
             if c:
-                ck, cvalid = self._compressed_keys(
+                sources.append(self._compressed_source(
                     x[sl],
                     q_res[sl],
                     positions[sl],
@@ -195,9 +158,8 @@ class V4Attention(nn.Module):
                     by_entry,
                     c,
                     bs,
-                )
-                keys, valid = torch.cat([keys, ck], dim=1), torch.cat([valid, cvalid], dim=1)
-            out[sl] = sink_attention(q[sl], keys, valid, self.sinks, d**-0.5, det).to(x.dtype)
+                ))
+            out[sl] = self.ops.v4_sink_attention(q[sl], sources, self.sinks, d**-0.5)
         out = apply_v4_rotary(out, cos, -sin)
         g, r = self.cfg.o_groups, self.cfg.o_lora_rank
         grouped = out.reshape(t, g, -1)
@@ -207,11 +169,12 @@ class V4Attention(nn.Module):
         )
         return self.o_b_proj(low)
 
-    def _window_keys(
-        self, flat: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, bs: int
+    def _window_slots(
+        self, tables: torch.Tensor, positions: torch.Tensor, bs: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, window, D] keys (oldest first) and their validity: positions max(0, p - window + 1) .. p.
-        Invalid ones read the query's own row: a bounded cache may have released the blocks before."""
+        """[T, window] slots of the window's keys (oldest first) and their validity: positions
+        max(0, p - window + 1) .. p. Invalid ones address the query's own row: a bounded cache may have
+        released the blocks before."""
         win = self.cfg.window
         n = torch.clamp(positions + 1, max=win)  # [T]
         j = torch.arange(win, device=positions.device)
@@ -220,7 +183,7 @@ class V4Attention(nn.Module):
         # A replay after preemption starts after released blocks (table entry < 0): never read those.
         valid = valid & (tables.gather(1, pos // bs) >= 0)
         pos = torch.where(valid, pos, positions[:, None])
-        return flat[slots_of(tables, pos, bs), self.layout.swa], valid
+        return slots_of(tables, pos, bs), valid
 
     def _write_compressed(
         self,
@@ -269,7 +232,7 @@ class V4Attention(nn.Module):
             entries = module.compress(src[..., raw_kv], src[..., raw_gate], has_prev, w * m, rotary)
             comp_rows[dst, out] = entries.to(comp_rows.dtype)
 
-    def _compressed_keys(
+    def _compressed_source(
         self,
         x: torch.Tensor,
         q_res: torch.Tensor,
@@ -280,8 +243,8 @@ class V4Attention(nn.Module):
         by_entry: bool,
         c: int,
         bs: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed entries each query attends to, [T, K, D], and their validity [T, K]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compressed entries each query attends to: (entry rows [S, D], slots [T, K], valid [T, K])."""
         lay = self.layout
         n_valid = (positions + 1) // self.rate  # [T]
         w = torch.arange(c, device=x.device)
@@ -291,8 +254,8 @@ class V4Attention(nn.Module):
         entry_slots = slots_of(comp_tables, self._entry_position(where, by_entry), bs)  # [T, C]
         indexer = getattr(self.compressor, "indexer", None)
         if indexer is None:
-            return comp_rows[entry_slots, lay.compressed], valid
-        ikeys = torch.where(valid[..., None], comp_rows[entry_slots, lay.idx_compressed], 0.0)
+            return comp_rows[:, lay.compressed], entry_slots, valid
         cos, sin = rope
+        ikeys = (comp_rows[:, lay.idx_compressed], entry_slots, valid)
         ids, chosen = indexer.select(x, q_res, cos, sin, ikeys, n_valid)
-        return comp_rows[entry_slots.gather(1, ids), lay.compressed], chosen
+        return comp_rows[:, lay.compressed], entry_slots.gather(1, ids), chosen

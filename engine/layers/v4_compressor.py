@@ -126,29 +126,22 @@ class LightningIndexer(WindowCompressor):
         q_res: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        keys: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         n_valid: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per query token, its top-k compressed entries among the first n_valid [T].
 
-        keys [T, C, dim]: the token's first C compressed indexer keys (rows past n_valid are padding).
-        Returns (entry ids [T, K] ascending with the chosen ones first, chosen mask [T, K]); K = min(topk, C).
+        keys: (indexer key rows [S, dim], slots [T, C], valid [T, C]): the token's first C compressed
+        indexer keys (those past n_valid are padding). Returns (entry ids [T, K] ascending with the chosen
+        ones first, chosen mask [T, K]); K = min(topk, C).
         """
         t = x.shape[0]
-        q = apply_v4_rotary(self.q_b_proj(q_res).view(t, self.heads, self.dim), cos, sin).float()
-        # [T, H, C]: relu(q . k) * dim^-0.5, weighted per head and summed over heads in a fixed order.
-        if self.ops.deterministic:  # one fixed reduction per (token, head, entry), whatever the batch
-            dots = (q.unsqueeze(2) * keys.float().unsqueeze(1)).sum(-1)
-        else:
-            dots = torch.einsum("thd,tcd->thc", q, keys.float())
-        scores = torch.relu(dots) * self.dim**-0.5
+        q = apply_v4_rotary(self.q_b_proj(q_res).view(t, self.heads, self.dim), cos, sin)
         w = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [T, H]
-        total = scores[:, 0] * w[:, 0, None]
-        for h in range(1, self.heads):
-            total = total + scores[:, h] * w[:, h, None]
-        c = keys.shape[1]
-        valid = torch.arange(c, device=x.device)[None, :] < n_valid[:, None]
-        total = total.masked_fill(~valid, float("-inf"))
+        # [T, C]: sum_h w_h * relu(q_h . k) * dim^-0.5, heads in a fixed order, -inf past n_valid.
+        rows, slots, valid = keys
+        total = self.ops.v4_indexer_scores(q, w, rows, slots, valid, self.dim**-0.5)
+        c = slots.shape[1]
         k = min(self.topk, c)
         ids = torch.topk(total, k, dim=-1).indices
         chosen = ids < n_valid[:, None]

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from deepinfer.engine.core.scheduler_output import SchedulerOutput
 from deepinfer.engine.runner.input_buffers import (
-    DecodeRow,
+    DecodeStager,
     StaticDecodeBuffers,
     graph_buckets,
-    pad_decode,
     pick_bucket,
 )
 from deepinfer.kernels.metadata import AttentionMetadata
@@ -63,6 +62,7 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs, max_graph_batch)
         max_blocks = -(-max_model_len // block_size)
         self.buffers = StaticDecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.stager = DecodeStager(self.buckets[-1], max_blocks, block_size)   # host side, incremental
         self.stats = GraphStats()
         # bucket -> (captured graph, or a stand-in with .replay(); its static output hidden states)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerReplay, torch.Tensor]] = {}
@@ -134,13 +134,20 @@ class DecodeGraphs:
 
         pending_rows: (row, index into prev_ids) for rows whose input token is still on the device (the
         overlapped loop's placeholders); prev_ids: the previous step's sampled ids (device int64)."""
-        rows = [DecodeRow(s.seq.token_at(s.start), s.start, s.seq.block_table) for s in out.scheduled]
-        b = pick_bucket(self.buckets, len(rows))
+        sched = out.scheduled
+        n = len(sched)
+        b = pick_bucket(self.buckets, n)
         if b is None:
-            raise ValueError(f"decode step of {len(rows)} rows exceeds the largest bucket {self.buckets[-1]}")
-        self.buffers.load(pad_decode(rows, b, self.block_size))
+            raise ValueError(f"decode step of {n} rows exceeds the largest bucket {self.buckets[-1]}")
+        tokens = [s.seq.token_at(s.start) for s in sched]
+        tables = [s.seq.block_table for s in sched]
+        self.buffers.load(self.stager.stage(tokens, [s.start for s in sched], tables, b))
         if pending_rows:
             assert prev_ids is not None
+            if len(pending_rows) == n == prev_ids.shape[0] and all(d == r for d, r in pending_rows):
+                # Steady decoding: row i reads row i of the previous step, one device copy, no index tensors.
+                self.buffers.input_ids[:n].copy_(prev_ids)
+                return b
             dst, src = zip(*pending_rows)
             dst_t = _index_tensor(dst, self.device)
             src_t = _index_tensor(src, self.device)

@@ -7,7 +7,8 @@ context length 1 and a block table of zeros (attention reads position 0 of block
 contents only reach the padding row's own output). Every batch-invariant op treats rows independently, so
 padding never changes a real row's bits.
 
-The functions here are pure (numpy in, numpy out) so that the bucket and padding rules are tested on CPU.
+The functions here are pure (numpy in, numpy out) so that the bucket and padding rules are tested on CPU;
+`DecodeStager` builds the same arrays as `pad_decode` incrementally across steps (host time per decode step).
 """
 
 from __future__ import annotations
@@ -92,6 +93,66 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: int, block_size: int) -> Padde
         lens[b] = r.position + 1
         tables[b, : len(r.block_table)] = r.block_table
     return PaddedDecode(n, bucket, ids, pos, slots, lens, tables)
+
+
+class DecodeStager:
+    """`pad_decode`'s result built incrementally: the padded block-table array persists across steps and a
+    batch row is rewritten only when its table differs from the one it held in the last step.
+
+    In steady decoding the same sequence sits at the same row step after step and its table grows by one
+    block every block_size steps, so most rows cost one list compare instead of a numpy row write. Tables are
+    compared by value against a copy kept per row, not by list identity, so any edit of a block table
+    (appends, a new table after preemption, core/window_blocks.py releasing entries in place) is seen.
+
+    Invariant: row b of `tables` holds `held[b]` followed by PAD_BLOCK; rows past the step are cleared when a
+    step uses them as padding, so every step's arrays equal pad_decode's (tests/engine/test_decode_stager.py).
+    """
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.tables = np.full((max_batch, max_blocks_per_seq), PAD_BLOCK, dtype=np.int32)
+        self._held: list[list[int]] = [[] for _ in range(max_batch)]   # row b's table as last written
+
+    def stage(self, token_ids: list[int], positions: list[int], tables: Sequence[list[int]],
+              bucket: int) -> PaddedDecode:
+        """The padded step of rows (token_ids[b], positions[b], tables[b]) in a bucket of `bucket` rows."""
+        n = len(tables)
+        max_batch, max_blocks = self.tables.shape
+        if not 0 < n <= bucket <= max_batch:
+            raise ValueError(f"{n} rows do not fit a bucket of {bucket} (at most {max_batch} rows)")
+        bs, arr, held = self.block_size, self.tables, self._held
+        slots: list[int] = []
+        width = 1
+        for b in range(n):
+            t, p = tables[b], positions[b]
+            k = len(t)
+            if k > width:
+                width = k
+            if t != held[b]:
+                if k > max_blocks:
+                    raise ValueError(f"row {b}: {k} blocks exceed the {max_blocks} columns")
+                old = len(held[b])
+                arr[b, :k] = t
+                if old > k:
+                    arr[b, k:old] = PAD_BLOCK
+                held[b] = list(t)
+            block = p // bs
+            if block >= k:
+                raise ValueError(f"row {b}: position {p} is past its {k} blocks")
+            slots.append(t[block] * bs + p % bs)
+        for b in range(n, bucket):   # padding rows: clear what an earlier step's real row left there
+            if held[b]:
+                arr[b, : len(held[b])] = PAD_BLOCK
+                held[b] = []
+        ids = np.full(bucket, PAD_TOKEN_ID, dtype=np.int64)
+        pos = np.full(bucket, PAD_POSITION, dtype=np.int64)
+        slot = np.full(bucket, PAD_SLOT, dtype=np.int64)
+        lens = np.full(bucket, PAD_SEQ_LEN, dtype=np.int32)
+        ids[:n] = token_ids
+        pos[:n] = positions
+        slot[:n] = slots
+        lens[:n] = pos[:n] + 1
+        return PaddedDecode(n, bucket, ids, pos, slot, lens, arr[:bucket, :width].copy())
 
 
 def decode_plan(num_seqs: int) -> np.ndarray:

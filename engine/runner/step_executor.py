@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from deepinfer.engine.core.sequence import Sequence
+from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence
 from deepinfer.engine.runner.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from deepinfer.engine.sample.metadata import SamplingMetadata
 
@@ -60,15 +60,23 @@ def pending_inputs(out: SchedulerOutput, prev: SampledTokens | None) -> list[tup
 
     Only a sequence's last token can be pending (update resolves a step's tokens before the next is
     sampled), so at most one per scheduled sequence, and only when this step's range covers it."""
-    rows = prev.row_of() if prev is not None else {}
+    prev_ids = prev.seq_ids if prev is not None else []
+    rows: dict[int, int] | None = None      # built only when the batch order changed since prev
     found: list[tuple[int, int]] = []
     offset = 0
     for s in out.scheduled:
         seq = s.seq
-        if seq.has_pending_token:
-            last = seq.num_tokens - 1
+        outs = seq.output_token_ids
+        if outs and outs[-1] == PENDING_TOKEN:
+            last = len(seq.prompt_token_ids) + len(outs) - 1
             if s.start <= last < s.start + s.num_new_tokens:
-                j = rows.get(seq.seq_id)
+                # Steady decoding: the k-th pending input is the k-th row the previous step sampled.
+                k = len(found)
+                if k < len(prev_ids) and prev_ids[k] == seq.seq_id:
+                    j: int | None = k
+                else:
+                    rows = rows if rows is not None else (prev.row_of() if prev is not None else {})
+                    j = rows.get(seq.seq_id)
                 if j is None:
                     raise RuntimeError(f"seq {seq.seq_id}: pending input but no step in flight sampled it")
                 found.append((offset + last - s.start, j))
@@ -97,10 +105,12 @@ class StepExecutor:
         pending = pending_inputs(out, prev)
         prev_ids = prev.device_ids if prev is not None else None
         # Prompt positions of requests that report prompt logprobs need the full hidden states (eager).
-        prompt_rows = prompt_logprob_rows(out)
-        if self.graphs is not None and not prompt_rows and self.graphs.fits(out):
+        # (The cheap test first: most steps hold no such request.)
+        if self.graphs is not None and self.graphs.fits(out) and (
+                all(s.seq.prompt_logprobs is None for s in out.scheduled) or not prompt_logprob_rows(out)):
             self.graph_steps += 1
             return ForwardPass(out, self.graphs.run(out, pending, prev_ids))
+        prompt_rows = prompt_logprob_rows(out)
         self.eager_steps += 1
         batch = r.prepare(out)
         ids = batch.input_ids

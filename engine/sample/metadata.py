@@ -9,9 +9,10 @@ which other rows are present never changes a row's result.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 
 import torch
 from deepinfer.engine.core.sequence import Sequence
@@ -90,15 +91,21 @@ class SamplingMetadata:
         read only when some row uses a penalty; EOS ids (unless ignore_eos) and stop_token_ids are blocked
         while a row has fewer than min_tokens outputs.
         """
+        params = [s.params for s in seqs]
+        distinct = _distinct(params)
+        # Token ids are gathered only when a row reads them (penalties; EOS ids for min_tokens): without
+        # them the defaults (empty) give the same metadata, at no per-row cost.
+        tokens = any(_uses_penalty(p) for p in distinct)
+        eos = any(p.min_tokens > 0 for p in distinct)
         return cls.from_params(
-            [s.params for s in seqs],
+            params,
             seeds=[s.seed for s in seqs],
-            positions=[s.num_output_tokens for s in seqs],
+            positions=[len(s.output_token_ids) for s in seqs],
             vocab_size=vocab_size,
             device=device,
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
-            eos_token_ids=[s.eos_token_ids for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs] if tokens else None,
+            output_token_ids=[s.output_token_ids for s in seqs] if tokens else None,
+            eos_token_ids=[s.eos_token_ids for s in seqs] if eos else None,
         )
 
     @classmethod
@@ -126,22 +133,31 @@ class SamplingMetadata:
         if vocab_size < 1:
             raise ValueError(f"SamplingMetadata: vocab_size={vocab_size} must be >= 1")
         device = torch.device(device)
-        empty: list[list[int]] = [[] for _ in range(n)]
+        empty: list[tuple[int, ...]] = [()] * n   # read only: one shared empty row
         prompts = empty if prompt_token_ids is None else prompt_token_ids
         outputs = empty if output_token_ids is None else output_token_ids
         eos = empty if eos_token_ids is None else eos_token_ids
 
-        sample = [i for i, p in enumerate(params) if not p.greedy]
-        greedy = [i for i, p in enumerate(params) if p.greedy]
+        # One SamplingParams for every row (LLM.generate with one params object): its flags are read once.
+        p0 = params[0] if len(_distinct(params)) == 1 else None
+        if p0 is not None:
+            sample, greedy = ([], list(range(n))) if p0.greedy else (list(range(n)), [])
+        else:
+            sample = [i for i, p in enumerate(params) if not p.greedy]
+            greedy = [i for i, p in enumerate(params) if p.greedy]
         if for_kernel is None:
             for_kernel = device.type == "cuda"
         row_params = filtered = None
         if for_kernel:
-            filt = [i for i in sample if _uses_filter(params[i], vocab_size)]
-            skip = set(filt)
-            temps = [-1.0 if i in skip else float(params[i].temperature) for i in range(n)]
-            row_params = to_device(pack_row_params(temps, [to_int64(x) for x in seeds],
-                                                   [int(x) for x in positions]), device)
+            if p0 is not None:
+                filt = sample if _uses_filter(p0, vocab_size) else []
+                temps = [-1.0 if filt else float(p0.temperature)] * n
+            else:
+                filt = [i for i in sample if _uses_filter(params[i], vocab_size)]
+                skip = set(filt)
+                temps = [-1.0 if i in skip else float(params[i].temperature) for i in range(n)]
+            row_params = to_device(pack_row_params(temps, _int64_seeds(seeds), [int(x) for x in positions]),
+                                   device)
             if filt:
                 filtered = cls(num_rows=n, vocab_size=vocab_size, device=device, greedy_rows=_idx([], device),
                                **_draw_fields(params, seeds, positions, filt, vocab_size, device),
@@ -151,11 +167,16 @@ class SamplingMetadata:
             num_rows=n,
             vocab_size=vocab_size,
             device=device,
-            greedy_rows=_idx(greedy, device),
+            # Every row greedy: the row indices are made on the device (no host -> device copy).
+            greedy_rows=(torch.arange(n, dtype=torch.int64, device=device) if len(greedy) == n
+                         else _idx(greedy, device)),
             **_draw_fields(params, seeds, positions, sample, vocab_size, device),
-            penalties=_penalty_data(params, prompts, outputs, vocab_size, device),
-            **_blocked(params, eos, positions, vocab_size, device),
-            num_logprobs=[p.logprobs for p in params],
+            penalties=None if p0 is not None and not _uses_penalty(p0) else _penalty_data(
+                params, prompts, outputs, vocab_size, device),
+            # min_tokens = 0 blocks nothing (positions are >= 0).
+            **(_blocked(params, eos, positions, vocab_size, device) if p0 is None or p0.min_tokens > 0
+               else {"blocked_rows": None, "blocked_tokens": None}),
+            num_logprobs=[p0.logprobs] * n if p0 is not None else [p.logprobs for p in params],
             row_params=row_params,
             filtered=filtered,
         )
@@ -163,6 +184,25 @@ class SamplingMetadata:
 
 def _idx(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def _distinct(params: list[SamplingParams]) -> list[SamplingParams]:
+    """`params` itself, or [params[0]] when every row holds that same object (checked by identity)."""
+    if params and all(map(operator.is_, params, repeat(params[0]))):
+        return params[:1]
+    return params
+
+
+def _int64_seeds(seeds: SequenceABC[int]) -> list[int]:
+    """[to_int64(s) for s in seeds]: the seeds themselves when all are already in the int64 range (the
+    common case; to_int64 is then the identity), so only out-of-range seeds cost a Python call each."""
+    if seeds and isinstance(seeds, list) and -(1 << 63) <= min(seeds) and max(seeds) < 1 << 63:
+        return seeds
+    return [to_int64(x) for x in seeds]
+
+
+def _uses_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _uses_filter(p: SamplingParams, vocab_size: int) -> bool:
@@ -175,6 +215,11 @@ def _draw_fields(
     vocab_size: int, device: torch.device,
 ) -> dict[str, object]:
     """The fields of SamplingMetadata indexed like sample_rows, for the batch rows `sample`."""
+    if not sample:   # an all-greedy batch: empty fields (read-only), one tensor per dtype
+        i64, f32 = (torch.empty(0, dtype=t, device=device) for t in (torch.int64, torch.float32))
+        return {"sample_rows": i64, "temperature": f32, "seeds": i64, "positions": i64, "top_k": i64,
+                "top_p": torch.empty(0, dtype=torch.float64, device=device), "min_p": f32, "top_p_idx": None,
+                "top_k_only_idx": None, "top_k_only_max": 0, "min_p_idx": None}
 
     def f32_on(values: list[float]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.float32), device)
@@ -209,10 +254,7 @@ def _penalty_data(
     vocab_size: int,
     device: torch.device,
 ) -> PenaltyData | None:
-    rows = [
-        i for i, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    ]
+    rows = [i for i, p in enumerate(params) if _uses_penalty(p)]
     if not rows:
         return None
     pp = [params[i] for i in rows]

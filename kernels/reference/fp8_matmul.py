@@ -57,3 +57,11 @@ def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         if hi > lo:
             out[lo:hi] = fp8_linear_ref(x[lo:hi], weight[e], weight_scale[e], None, group)
     return out
+
+
+def fp8_rowwise_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The rowwise-scaled FP8 GEMM (kernels/fp8_rowwise.py): x quantized with one scale per row, weight
+    e4m3 [N, K] with one scale per output channel [N, 1]: `fp8_linear_ref` with a single K-group."""
+    k = x.shape[1]
+    return fp8_linear_ref(x, weight, weight_scale.reshape(-1, 1), bias, group=max(k, 1))

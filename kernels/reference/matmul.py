@@ -6,12 +6,13 @@ and so the order in which a row's products are summed, may depend on M), so a ro
 as torch.mm over a chunk of exactly ROW_CHUNK rows: whatever else shares the call, a row gives those bits.
 
 Big prefill batches would then pay a BLAS call (and a repack of the weight) per 16 rows, about twice the
-time per row of one large call. So for each weight (shape, dtype, strides, thread count) the first call
-with at least WIDE_CHUNK rows probes, on seeded random rows, whether one WIDE_CHUNK-row call gives bitwise
-the same rows as its 16-row chunks; only where it does are whole WIDE_CHUNK-row calls used. A GEMM's
-summation order depends on the shapes and the code path, never on the values, so if the orders differed
-anywhere, random rows would show it in the low bits of some of the WIDE_CHUNK x N outputs; where the probe
-fails (another BLAS, another CPU), every row takes the 16-row chunks and the result is the same by definition.
+time per row of one large call. So for each weight (shape, dtype, strides, thread count) and each size of
+WIDE_CHUNKS, the first call with at least that many rows probes, on seeded random rows, whether one call
+of that many rows gives bitwise the same rows as its 16-row chunks; rows are then covered by the largest
+sizes that passed (the rest by 16-row calls). A GEMM's summation order depends on the shapes and the code
+path, never on the values, so if the orders differed anywhere, random rows would show it in the low bits
+of some of the size x N outputs; where a probe fails (another BLAS, another CPU), that size is not used
+and the result is the same by definition. Every call writes straight into one output (no concatenation).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 
 ROW_CHUNK = 16
-WIDE_CHUNK = 128
+WIDE_CHUNKS = (512, 256, 128)   # larger row calls, each used only where its probe passed (largest first)
+WIDE_CHUNK = WIDE_CHUNKS[-1]
 # Allocator alignment of fresh CPU tensors; chunks that start elsewhere are copied so the BLAS kernel
 # never sees a differently aligned operand for the same row.
 ALIGN_BYTES = 64
@@ -36,10 +38,16 @@ def bi_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _mm_chunks(xp: torch.Tensor, wt: torch.Tensor, start: int, stop: int, size: int, aligned: bool,
-               out: list[torch.Tensor]) -> None:
+               out: torch.Tensor) -> None:
+    """out[i:i+size] = xp[i:i+size] @ wt for i in range(start, stop, size) (out rows aligned or copied)."""
+    direct = (out.shape[1] * out.element_size()) % ALIGN_BYTES == 0
     for i in range(start, stop, size):
         chunk = xp[i:i + size]
-        out.append(torch.mm(chunk if aligned else chunk.clone(), wt))
+        chunk = chunk if aligned else chunk.clone()
+        if direct:
+            torch.mm(chunk, wt, out=out[i:i + size])
+        else:
+            out[i:i + size] = torch.mm(chunk, wt)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -47,17 +55,18 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _wide_is_exact(weight: torch.Tensor, aligned: bool) -> bool:
-    """Whether a WIDE_CHUNK-row torch.mm gives bitwise the rows of its ROW_CHUNK-row calls (cached)."""
-    key = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, torch.get_num_threads(), aligned)
+def _wide_is_exact(weight: torch.Tensor, aligned: bool, size: int = WIDE_CHUNK) -> bool:
+    """Whether a `size`-row torch.mm gives bitwise the rows of its ROW_CHUNK-row calls (cached)."""
+    key = (tuple(weight.shape), tuple(weight.stride()), weight.dtype, torch.get_num_threads(), aligned, size)
     ok = _wide_ok.get(key)
     if ok is None:
-        gen = torch.Generator().manual_seed(WIDE_CHUNK + weight.shape[1])
-        probe = torch.randn(WIDE_CHUNK, weight.shape[1], generator=gen).to(weight.dtype)
+        gen = torch.Generator().manual_seed(size + weight.shape[1])
+        probe = torch.randn(size, weight.shape[1], generator=gen).to(weight.dtype)
         wt = weight.t()
-        narrow: list[torch.Tensor] = []
-        _mm_chunks(probe, wt, 0, WIDE_CHUNK, ROW_CHUNK, aligned, narrow)
-        ok = _bits_equal(torch.mm(probe, wt), torch.cat(narrow))
+        wide, narrow = (probe.new_empty((size, weight.shape[0])) for _ in range(2))
+        _mm_chunks(probe, wt, 0, size, size, aligned, wide)
+        _mm_chunks(probe, wt, 0, size, ROW_CHUNK, aligned, narrow)
+        ok = _bits_equal(wide, narrow)
         _wide_ok[key] = ok
     return ok
 
@@ -73,11 +82,12 @@ def row_invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xp = x.new_zeros((padded_rows, k))
         xp[:rows] = x
     wt = weight.t()
-    wide_rows = padded_rows // WIDE_CHUNK * WIDE_CHUNK
-    if wide_rows and not _wide_is_exact(weight, aligned):
-        wide_rows = 0
-    chunks: list[torch.Tensor] = []
-    _mm_chunks(xp, wt, 0, wide_rows, WIDE_CHUNK, aligned, chunks)
-    _mm_chunks(xp, wt, wide_rows, padded_rows, ROW_CHUNK, aligned, chunks)
-    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    out = x.new_empty((padded_rows, weight.shape[0]))
+    done = 0
+    for size in WIDE_CHUNKS:
+        wide_rows = (padded_rows - done) // size * size
+        if wide_rows and _wide_is_exact(weight, aligned, size):
+            _mm_chunks(xp, wt, done, done + wide_rows, size, aligned, out)
+            done += wide_rows
+    _mm_chunks(xp, wt, done, padded_rows, ROW_CHUNK, aligned, out)
     return out[:rows]

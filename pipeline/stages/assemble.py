@@ -158,18 +158,24 @@ def _per_sample(ok: list[dict]) -> list[dict]:
     return out
 
 
-def keep_types_from_parquet(urls: list[str], columns: list[str], storage_options: dict | None
+def keep_types_from_parquet(listing: list, columns: list[str], storage_options: dict | None
                             ) -> dict[str, pa.DataType]:
-    """Unified Arrow types of `columns` across the input Parquet files' schemas (footers only)."""
+    """Unified Arrow types of `columns` across the input Parquet files' schemas: the ones the listing read
+    from each footer, else (a listing built elsewhere) the footer read again."""
     from deepinfer.pipeline.stages.read import parquet_schema
 
     if not columns:
         return {}
     schemas = []
-    for u in urls:
+    for f in listing:
+        if f.bad is not None:  # on_bad_file: quarantine listed it; its rows become BAD_FILE errors
+            continue
+        if f.schema is not None:
+            schemas.append(f.schema)
+            continue
         try:
-            schemas.append(parquet_schema(u, storage_options))
-        except InputError:  # on_bad_file: quarantine listed it; its rows become BAD_FILE errors
+            schemas.append(parquet_schema(f.url, storage_options))
+        except InputError:
             continue
     types: dict[str, pa.DataType] = {}
     for col in columns:

@@ -37,9 +37,20 @@ def _validate_output(text: str, finish: str, validator) -> tuple[str | None, tup
 
 
 
+# Size of a CPU engine's KV cache (GiB) instead of LLM's default 1 GiB: zeroing that takes most of a tiny
+# model's engine start, which the test suite pays in every submit it runs (tests/conftest.py sets 0.0625).
+CPU_KV_CACHE_ENV = "DEEPINFER_CPU_KV_CACHE_GIB"
+
+
 def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
     from deepinfer.engine import LLM
 
+    gib = os.environ.get(CPU_KV_CACHE_ENV)
+    if gib is not None:
+        try:
+            engine_kwargs = {**engine_kwargs, "cpu_kv_cache_gib": float(gib)}
+        except ValueError:
+            raise ValueError(f"{CPU_KV_CACHE_ENV}={gib!r}: expected a number of GiB, e.g. 0.25") from None
     return LLM(model=model_ref, **engine_kwargs)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import posixpath
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.pipeline.errors import InputError, SpecError
@@ -44,6 +44,9 @@ class InputFile:
     offsets: tuple[int, ...] = ()
     stride: int = 0
     bad: str | None = None  # why the file cannot be read (on_bad_file: quarantine); num_rows is then 1
+    # Parquet: the Arrow schema read from the same footer as num_rows, so the kept columns' types need no
+    # second open of every file (make_assembler). Not part of equality: it is derived from the file.
+    schema: Any = field(default=None, compare=False, repr=False)
 
     def offset_of(self, row: int) -> int | None:
         """Byte offset of row `row` when it was recorded, else None."""
@@ -126,7 +129,7 @@ def list_input(path: str, fmt: str, storage_options: dict | None = None,
         rel = relative_input_path(base, p)
         size = int(info.get("size") or 0)
         try:
-            n, offsets = count_rows(fs, p, fmt, stride)
+            n, offsets, schema = _count_rows(fs, p, fmt, stride)
         except Exception as exc:
             if not _is_corrupt(exc):
                 raise
@@ -135,7 +138,8 @@ def list_input(path: str, fmt: str, storage_options: dict | None = None,
                 raise error from None
             listing.append(InputFile(index, url, p, base, rel, size, 1, (), 0, str(error)))
             continue
-        listing.append(InputFile(index, url, p, base, rel, size, n, offsets, stride if offsets else 0))
+        listing.append(InputFile(index, url, p, base, rel, size, n, offsets, stride if offsets else 0,
+                                 schema=schema))
     return listing
 
 
@@ -148,11 +152,18 @@ def _compressed(path: str) -> bool:
 def count_rows(fs, path: str, fmt: str, stride: int = 0) -> tuple[int, tuple[int, ...]]:
     """(rows, offsets) of one file: the Parquet footer's count, or the non-blank lines of a JSONL file
     with the byte offset of every `stride`-th of them (uncompressed files only)."""
+    n, offsets, _ = _count_rows(fs, path, fmt, stride)
+    return n, offsets
+
+
+def _count_rows(fs, path: str, fmt: str, stride: int) -> tuple[int, tuple[int, ...], Any]:
+    """count_rows plus, for Parquet, the file's Arrow schema (None for JSONL)."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         with fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows, ()
+            pf = pq.ParquetFile(f)
+            return pf.metadata.num_rows, (), pf.schema_arrow
     n, pos, offsets = 0, 0, []
     keep = stride > 0 and not _compressed(path)
     with fs.open(path, "rb", compression="infer") as f:
@@ -162,7 +173,7 @@ def count_rows(fs, path: str, fmt: str, stride: int = 0) -> tuple[int, tuple[int
                     offsets.append(pos)
                 n += 1
             pos += len(line)
-    return n, tuple(offsets)
+    return n, tuple(offsets), None
 
 
 def parquet_schema(url: str, storage_options: dict | None = None):

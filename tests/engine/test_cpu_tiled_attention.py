@@ -12,14 +12,12 @@ import torch
 from deepinfer.engine.layers.backends import make_ops
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference import tiled_attention as ta
-from deepinfer.kernels.reference.attention import chunked_paged_attention, paged_attention_ref
+from deepinfer.kernels.reference.attention import paged_attention_ref
+from deepinfer.kernels.reference.pointwise import fixed_path
 
 from tests.engine.test_cpu_ops import _paged_batch
 
 INV = make_ops("cpu", deterministic=True)
-# On a BLAS where the probes reject every tiling the op runs chunked_paged_attention (tested in
-# test_cpu_ops.py); these tests are about the tiles themselves.
-pytestmark = pytest.mark.skipif(ta.tile_sizes(3, 16) is None, reason="no GEMM tiling passes its probe here")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -133,33 +131,84 @@ def test_zero_output_has_one_sign():
     assert not torch.signbit(out).any()
 
 
-def test_probe_is_cached_and_failures_fall_back_to_one_definition(monkeypatch):
-    assert ta.tile_sizes(3, 16) is not None
-    assert any(key[:3] == (ta.PREFILL_TILE, 3, 16) for key in ta._probe_ok)
-    k_cache, v_cache, meta = _paged_batch([(50, 50), (9, 1)], 16, 1, 16, seed=2)
+@pytest.mark.parametrize("passing", ["none", "one-token", "both"])
+def test_probe_failures_fall_back_to_the_same_bits(monkeypatch, passing):
+    k_cache, v_cache, meta = _paged_batch([(50, 50), (9, 1), (130, 1), (100, 40)], 16, 1, 16, seed=2)
     q = torch.randn(meta.num_tokens, 3, 16)
-    # A BLAS where only one tiling passes: every sequence takes it, with the same bits.
     both = ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)
-    for passing in (1, ta.PREFILL_TILE):
-        monkeypatch.setattr(ta, "_probe", lambda qt, g, d, passing=passing: qt == passing)
-        assert ta.tile_sizes(3, 16) == (passing, passing)
-        assert torch.equal(_bits(ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)), _bits(both))
-    # Where no tiling passes, the op runs the elementwise chunked attention for every call.
-    monkeypatch.setattr(ta, "_probe", lambda qt, g, d: False)
-    assert ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25) is None
-    expected = chunked_paged_attention(q, k_cache, v_cache, meta, 0.25)
-    assert torch.equal(_bits(INV.attention(q, k_cache, v_cache, meta, 0.25)), _bits(expected))
+    assert any(key[:4] == (ta.PREFILL_TILE, 1, 3, 16) for key in ta._probe_ok), "probes are cached"
+    # A BLAS where some tilings fail their probe: those tokens take one-token tiles or the canonical
+    # torch.mm calls one by one, with the same bits.
+    ok = {"none": (), "one-token": (1,), "both": (1, ta.PREFILL_TILE)}[passing]
+    monkeypatch.setattr(ta, "_probe", lambda qt, blocks, g, d, call_blocks=None: qt in ok)
+    expected = ((ta.UNITS[1] if 1 in ok else None), (ta.PREFILL_TILE if len(ok) == 2 else 1))
+    assert ta.tile_sizes(3, 16) == expected
+    got = ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(_bits(got), _bits(both))
+    assert torch.equal(_bits(INV.attention(q, k_cache, v_cache, meta, 0.25)), _bits(both))
 
 
 def test_probe_detects_a_tiling_that_changes_bits(monkeypatch):
     real_bmm = torch.bmm
+    k_cache, v_cache, meta = _paged_batch([(50, 50), (9, 1)], 16, 1, 16, seed=2)
+    q = torch.randn(meta.num_tokens, 3, 16)
+    clean = ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)
 
-    def skewed(a, b, out=None):  # a BLAS whose many-row kernel rounds differently
-        res = real_bmm(a, b)
-        if a.shape[1] > 8:
-            res = res * (1 + 2 ** -20)
-        return res if out is None else out.copy_(res)
+    def skewed(rows):  # a BLAS whose kernel for more than `rows` rows rounds differently
+        def bmm(a, b, out=None):
+            res = real_bmm(a, b)
+            if a.shape[1] > rows:
+                res = res * (1 + 2 ** -20)
+            return res if out is None else out.copy_(res)
+        return bmm
 
-    monkeypatch.setattr(ta.torch, "bmm", skewed)
-    monkeypatch.setattr(ta, "_probe_ok", {})
-    assert ta.tile_sizes(3, 16) == (1, 1)
+    for rows, sizes in ((8, (ta.UNITS[1], 1)), (0, (None, 1))):
+        monkeypatch.setattr(ta.torch, "bmm", skewed(rows))
+        monkeypatch.setattr(ta, "_probe_ok", {})
+        assert ta.tile_sizes(3, 16) == sizes
+        # The skewed calls are never used, so the bits are those of the canonical calls.
+        assert torch.equal(_bits(ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)), _bits(clean))
+
+
+@pytest.mark.parametrize("wider_ok", [True, False])
+def test_decode_token_bits_do_not_depend_on_the_widest_neighbour(monkeypatch, wider_ok):
+    # One-token tiles run in one call group over the widest span of the step where the probe for
+    # (own span, call span) passes, and in calls of their own span where it fails: the same bits.
+    if not wider_ok:
+        real = ta._probe
+        monkeypatch.setattr(ta, "_probe", lambda qt, blocks, g, d, call_blocks=None: (
+            (call_blocks or blocks) == blocks and real(qt, blocks, g, d)))
+    lengths = [70, 300, 5, 129]
+    cache = _Cache(lengths, 16, 3, 16, seed=9)
+    qs = _queries(lengths, 9, 16)
+    for s, n in enumerate(lengths):
+        alone = _run(cache, qs, [(s, n - 1, n)])[0]
+        others = [(o, m - 1, m) for o, m in enumerate(lengths) if o != s]
+        together = _run(cache, qs, [*others[:1], (s, n - 1, n), *others[1:]])[1]
+        assert torch.equal(_bits(alone), _bits(together)), f"sequence {s}"
+
+
+def test_exp_in_place_matches_fixed_path():
+    x = torch.randn(3, 4, 64 * 70) * 30 - 10
+    assert torch.equal(_bits(ta._exp_(x.clone())), _bits(fixed_path(torch.exp, x)))
+
+
+def test_step_plan_is_reused_and_rebuilt_when_the_metadata_changes():
+    ops = make_ops("cpu", deterministic=True)
+    cache = _Cache([40, 90], 16, 1, 16, seed=6)
+    qs = _queries([40, 90], 3, 16)
+    meta = cache.meta([(0, 39, 40), (1, 89, 90)])
+    q = torch.cat([qs[0][39:40], qs[1][89:90]])
+    first = ops.attention(q, cache.k, cache.v, meta, 0.125)
+    plan = ops._plan
+    assert torch.equal(_bits(ops.attention(q, cache.k, cache.v, meta, 0.125)), _bits(first))
+    assert ops._plan is plan, "the layers of one step share one plan"
+    # The same metadata object updated in place (as a runner reusing buffers would): a new plan.
+    other = cache.meta([(0, 20, 21), (1, 60, 61)])
+    meta.positions.copy_(other.positions)
+    meta.seq_lens.copy_(other.seq_lens)
+    meta.slot_mapping.copy_(other.slot_mapping)
+    q2 = torch.cat([qs[0][20:21], qs[1][60:61]])
+    got = ops.attention(q2, cache.k, cache.v, meta, 0.125)
+    assert ops._plan is not plan
+    assert torch.equal(_bits(got), _bits(ta.tiled_paged_attention(q2, cache.k, cache.v, other, 0.125)))

@@ -4,7 +4,9 @@ bf16 tolerance, stated relative to transformers' own bf16 error: on the tiny ran
 hyper-connections amplify rounding; on CPU HF bf16 is 0.76 off its float32 logits at a logit scale of 3.3),
 deepinfer's bf16 logits must be no further from HF's float32 logits than 1.5x HF's bf16 ones are, plus 0.05,
 and agree with float32's argmax on >= 85% of positions. float32 on the GPU (Triton IEEE matmuls) must
-give HF's greedy tokens exactly, in both cache layouts.
+give HF's greedy tokens exactly, in both cache layouts. The attention runs the Triton V4 kernels
+(kernels/v4_attention.py, kernels/v4_indexer.py) there; in deterministic bf16 a request's tokens and
+logprobs must not depend on the batch it ran in.
 """
 
 from __future__ import annotations
@@ -84,3 +86,24 @@ def test_float32_greedy_on_gpu_matches_transformers(ckpt, prefix_caching):
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0
             )[0, len(p) :].tolist()
         assert o.token_ids == ref
+
+
+def test_bf16_batch_invariant_in_deterministic_mode_on_gpu(ckpt):
+    """The Triton V4 kernels (sink attention, indexer scores) inside the whole model: sampled requests
+    alone and inside batches scheduled two ways (chunked prefill; the bounded layout) give bitwise equal
+    tokens and logprobs in bf16."""
+    path = str(ckpt)
+    kw = dict(device="cuda", dtype="bfloat16", deterministic=True)
+    alone = LLM(model=path, num_kv_blocks=128, **kw)
+    vocab = alone.model_config.vocab_size
+    prompts = [_prompt(n, vocab, seed=n) for n in (12, 70, 33, 5, 48, 90)]
+    params = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=8, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    ref = {i: alone.generate([prompts[i]], params[i], use_tqdm=False)[0] for i in (1, 5)}
+    del alone
+    for extra in (dict(num_kv_blocks=128, max_num_batched_tokens=19, max_num_seqs=4),
+                  dict(num_kv_blocks=24, max_num_seqs=6, enable_prefix_caching=False, max_model_len=256)):
+        outs = LLM(model=path, **kw, **extra).generate(prompts, params, use_tqdm=False)
+        for i, r in ref.items():
+            assert outs[i].token_ids == r.token_ids, extra
+            assert outs[i].logprobs == r.logprobs, extra

@@ -1,12 +1,7 @@
-"""FP8 GEMM references on CPU, and the interpreted Triton FP8 kernels in a TRITON_INTERPRET=1 subprocess."""
+"""FP8 GEMM references on CPU, and the interpreted Triton FP8 kernels in a TRITON_INTERPRET=1 subprocess
+(tests/support/interpreted.py)."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +11,7 @@ from deepinfer.kernels.reference.fp8_matmul import (
     quantize_act_ref,
 )
 
-_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.interpreted import launches, run_interpreted
 
 
 def test_quantize_act_ref_round_trip_and_zero_groups():
@@ -45,14 +40,6 @@ def test_fp8_linear_ref_close_to_dense_matmul():
     assert float((out - dense).abs().max()) < 0.1 * float(dense.abs().max())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="TRITON_INTERPRET=1 already set: pytest collects the interpreted tests directly")
-def test_fp8_kernels_pass_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(_ROOT / "tests" / "kernels" / "test_fp8_interpreted.py")],
-        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+@launches("tests/kernels/test_fp8_interpreted.py")
+def test_fp8_kernels_pass_under_interpreter(request):
+    run_interpreted(request, "FP8 GEMM kernel")

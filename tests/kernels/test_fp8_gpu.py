@@ -101,8 +101,9 @@ def test_store_kv_fp8_bitwise_and_attention_reads_it():
 
 
 @needs_fp8
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_llm_fp8_weights_batch_invariant(tmp_path, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", "fp8"), ("fp8", "fp8"),
+                                                         ("auto", "fp8-channel")])
+def test_llm_fp8_weights_batch_invariant(tmp_path, kv_cache_dtype, quantization):
     """Dummy Qwen2.5-0.5B-shaped model with FP8 weights: one request alone == the same request in a batch."""
     import sys
     from pathlib import Path
@@ -113,7 +114,7 @@ def test_llm_fp8_weights_batch_invariant(tmp_path, kv_cache_dtype):
     from benchmarks.shapes import write_shape
 
     d = write_shape("qwen2.5-0.5b", tmp_path)
-    llm = LLM(model=str(d), load_format="dummy", quantization="fp8", kv_cache_dtype=kv_cache_dtype,
+    llm = LLM(model=str(d), load_format="dummy", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
               max_model_len=1024, gpu_memory_utilization=0.5)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 150000, (int(n),), generator=gen).tolist() for n in (5, 70, 300, 33)]

@@ -7,9 +7,6 @@ quantizer is checked bitwise and the GEMMs within float32-accumulation tolerance
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from deepinfer.kernels.reference.fp8_matmul import (
@@ -18,19 +15,16 @@ from deepinfer.kernels.reference.fp8_matmul import (
     quantize_act_ref,
 )
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by tests/kernels/test_fp8_cpu.py",
-                allow_module_level=True)
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
+
+skip_unless_interpreting("tests/kernels/test_fp8_cpu.py")
 
 GROUP = 32
 
 
 @pytest.fixture(scope="module")
 def fp8():
-    pytest.importorskip("triton")
-    mod = importlib.import_module("deepinfer.kernels.fp8_matmul")
-    assert type(mod._fp8_gemm_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return interpreted_kernels("fp8_matmul", "_fp8_gemm_kernel")
 
 
 def _weight(n: int, k: int, seed: int, experts: int | None = None):

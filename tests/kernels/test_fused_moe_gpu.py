@@ -7,6 +7,8 @@ import pytest
 import torch
 from deepinfer.kernels.reference.fused_moe import fused_moe_ref
 
+from tests.support.moe_inputs import expert_weights, routed_tokens
+
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
@@ -15,21 +17,11 @@ EXPERTS, TOP_K, HIDDEN, INTER = 64, 6, 2048, 1408
 
 @pytest.fixture(scope="module")
 def weights():
-    gen = torch.Generator().manual_seed(0)
-    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5).bfloat16().to(CUDA)
-    down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER ** 0.5).bfloat16().to(CUDA)
-    return gate_up, down
+    return expert_weights(EXPERTS, HIDDEN, INTER, CUDA)
 
 
 def _tokens(n, seed, skew=False):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, HIDDEN, generator=gen).bfloat16().to(CUDA)
-    scores = torch.rand(n, EXPERTS, generator=gen)
-    if skew:                                        # most tokens on a few experts: multi-block runs
-        scores[:, :3] += 1.0
-    ids = scores.topk(TOP_K, dim=-1).indices.sort(dim=-1).values.to(CUDA)
-    w = (torch.rand(n, TOP_K, generator=gen) + 0.1).to(CUDA)
-    return x, ids, w
+    return routed_tokens(n, seed, HIDDEN, EXPERTS, TOP_K, CUDA, skew)
 
 
 @pytest.mark.parametrize("n,skew", [(1, False), (37, False), (300, True)])

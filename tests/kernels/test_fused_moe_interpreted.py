@@ -10,27 +10,20 @@ Bitwise batch invariance is checked on the GPU (test_fused_moe_gpu.py).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from deepinfer.kernels.reference.fused_moe import fused_moe_ref
 from deepinfer.kernels.reference.moe import combine_experts, experts_ref
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by test_fused_moe_cpu.py",
-                allow_module_level=True)
+skip_unless_interpreting("tests/kernels/test_fused_moe_cpu.py")
 
 
 @pytest.fixture(scope="module")
 def moe():
-    pytest.importorskip("triton")
-    mod = importlib.import_module("deepinfer.kernels.fused_moe")
-    assert type(mod._gate_up_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return interpreted_kernels("fused_moe", "_gate_up_kernel")
 
 
 def _rand(*shape, seed=0):

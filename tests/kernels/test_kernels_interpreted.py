@@ -13,9 +13,6 @@ speed — tests/kernels/test_kernels_gpu.py covers those.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from deepinfer.kernels.metadata import KV_CHUNK
@@ -25,26 +22,17 @@ from deepinfer.kernels.reference.matmul import bi_linear_ref
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 from tests.support.paged_batches import SeqStep, build_metadata, gather_rows, random_block_lists
 
 _KERNEL_MODULES = ("matmul", "rmsnorm", "activation", "store_kv", "paged_attention")
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by tests/kernels/test_kernels_cpu.py",
-                allow_module_level=True)
+skip_unless_interpreting("tests/kernels/test_kernels_cpu.py")
 
 
 @pytest.fixture(scope="module")
 def kmods():
-    pytest.importorskip("triton")
-    mods = {name: importlib.import_module(f"deepinfer.kernels.{name}") for name in _KERNEL_MODULES}
-    for name, mod in mods.items():
-        kernels = [v for k, v in vars(mod).items() if k.startswith("_") and k.endswith("_kernel")]
-        assert kernels and all(type(k).__name__ == "InterpretedFunction" for k in kernels), (
-            f"{name}: kernels were compiled for a GPU, not built for the interpreter (Triton was imported "
-            "before TRITON_INTERPRET=1 was set)"
-        )
-    return mods
+    return {name: interpreted_kernels(name) for name in _KERNEL_MODULES}
 
 
 # Bitwise invariance is a property of the compiled kernels; Triton's CPU interpreter emulates tl.dot with

@@ -1,26 +1,19 @@
 """CPU: the absorbed-MLA reference against the expanded one, and the interpreted MLA kernel tests.
 
 tests/kernels/test_mla_decode_interpreted.py needs a process started with TRITON_INTERPRET=1 (Triton decides
-at import time whether kernels are compiled or interpreted); this module starts one and fails with its
-report when an interpreted test fails.
+at import time whether kernels are compiled or interpreted); this module's launcher has
+tests/support/interpreted.py start one (shared with the other launchers of the session) and fails when a test
+of that file fails.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 from deepinfer.kernels.reference.mla import mla_attention_ref, split_kv_b
 from deepinfer.kernels.reference.mla_decode import head_proj_ref, mla_decode_ref
 
+from tests.support.interpreted import launches, run_interpreted
 from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
-
-_ROOT = Path(__file__).resolve().parents[2]
-_INTERPRETED = _ROOT / "tests" / "kernels" / "test_mla_decode_interpreted.py"
 
 
 def test_absorbed_reference_equals_expanded_attention():
@@ -41,13 +34,6 @@ def test_absorbed_reference_equals_expanded_attention():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="TRITON_INTERPRET=1 already set: pytest collects the interpreted tests directly")
-def test_mla_kernels_pass_under_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(_INTERPRETED)],
-                          cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = (proc.stdout + proc.stderr)[-8000:]
-    assert proc.returncode == 0, f"interpreted MLA kernel tests failed:\n{report}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, report
+@launches("tests/kernels/test_mla_decode_interpreted.py")
+def test_mla_kernels_pass_under_interpreter(request):
+    run_interpreted(request, "MLA kernel")

@@ -12,28 +12,23 @@ not guaranteed row-invariant.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 from deepinfer.kernels.reference.mla_decode import head_proj_ref, mla_decode_ref
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 from tests.support.paged_batches import SeqStep, build_metadata, gather_rows, random_block_lists
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by test_mla_decode_cpu.py",
-                allow_module_level=True)
+skip_unless_interpreting("tests/kernels/test_mla_decode_cpu.py")
 
 RANK, ROPE, HEADS, BLOCK = 32, 8, 4, 16
 
 
 @pytest.fixture(scope="module")
 def mla():
-    pytest.importorskip("triton")
-    mod = importlib.import_module("deepinfer.kernels.mla_decode")
-    assert type(mod._mla_split_kernel).__name__ == "InterpretedFunction"
-    return mod
+    return interpreted_kernels("mla_decode", "_mla_split_kernel")
 
 
 def _rand(*shape, seed=0):

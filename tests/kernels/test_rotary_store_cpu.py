@@ -2,17 +2,12 @@
 default, the argument checks, and (in a subprocess with TRITON_INTERPRET=1) the Triton kernel itself.
 
 tests/kernels/test_rotary_store_interpreted.py needs a process started with TRITON_INTERPRET=1 (Triton decides
-at import time whether kernels are compiled or interpreted); `test_rotary_store_kernel_under_interpreter`
-starts one and fails with its report when an interpreted test fails. `make_case` is shared with it and with
-tests/kernels/test_rotary_store_gpu.py.
+at import time whether kernels are compiled or interpreted); `test_rotary_store_kernel_under_interpreter` has
+tests/support/interpreted.py start one (shared with the other launchers of the session) and fails when a test
+of that file fails. `make_case` is shared with it and with tests/kernels/test_rotary_store_gpu.py.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +15,7 @@ from deepinfer.engine.layers.cpu_ops import CpuFastOps, CpuInvariantOps
 from deepinfer.kernels.reference.rotary_store import rotary_store_kv_ref, rotate_half_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
-_ROOT = Path(__file__).resolve().parents[2]
-_INTERPRETED = _ROOT / "tests" / "kernels" / "test_rotary_store_interpreted.py"
+from tests.support.interpreted import launches, run_interpreted
 
 
 def make_case(num_tokens: int, hq: int, hkv: int, d: int, *, dtype: torch.dtype, block_size: int = 4,
@@ -137,13 +131,6 @@ def test_reference_rejects_bad_operands(change, match):
         rotary_store_kv_ref(**c)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="TRITON_INTERPRET=1 already set: pytest collects the interpreted tests directly")
-def test_rotary_store_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(_INTERPRETED)],
-                          cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = (proc.stdout + proc.stderr)[-8000:]
-    assert proc.returncode == 0, f"interpreted rotary + KV-store kernel tests failed:\n{report}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, report
+@launches("tests/kernels/test_rotary_store_interpreted.py")
+def test_rotary_store_kernel_under_interpreter(request):
+    run_interpreted(request, "rotary + KV-store kernel")

@@ -8,28 +8,20 @@ bf16/fp16 tests patch the interpreter to round float32 casts to nearest even as 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from deepinfer.kernels.reference.rotary_store import rotary_store_kv_ref
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
 from tests.kernels.test_rotary_store_cpu import fresh_caches, make_case
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by test_rotary_store_cpu.py",
-                allow_module_level=True)
+skip_unless_interpreting("tests/kernels/test_rotary_store_cpu.py")
 
 
 @pytest.fixture(scope="module")
 def rs():
-    pytest.importorskip("triton")
-    mod = importlib.import_module("deepinfer.kernels.rotary_store")
-    assert type(mod._rotary_store_kv_kernel).__name__ == "InterpretedFunction", (
-        "the kernel was compiled for a GPU, not built for the interpreter")
-    return mod
+    return interpreted_kernels("rotary_store", "_rotary_store_kv_kernel")
 
 
 def _check(rs, case: dict) -> None:

@@ -9,7 +9,6 @@ test_sampling_gpu.py.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -21,20 +20,15 @@ from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.masking import apply_token_bitmask_
 from deepinfer.kernels.reference.sampling import pack_row_params, sample_tokens_ref
 
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 from tests.support.sampler_harness import EOS, _mixed_batch, _take
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in a subprocess with TRITON_INTERPRET=1, started by tests/kernels/test_sampling_cpu.py",
-                allow_module_level=True)
+skip_unless_interpreting("tests/kernels/test_sampling_cpu.py")
 
 
 @pytest.fixture(scope="module")
 def ks():
-    pytest.importorskip("triton")
-    from deepinfer.kernels import sampling
-
-    assert type(sampling._sample_chunk_kernel).__name__ == "InterpretedFunction"
-    return sampling
+    return interpreted_kernels("sampling", "_sample_chunk_kernel")
 
 
 def _logits(s: int, v: int, seed: int) -> torch.Tensor:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from deepinfer.kernels.masking import apply_token_bitmask_
 from deepinfer.kernels.reference.token_mask import apply_token_bitmask_torch_, unpack_bitmask
+
+from tests.support.interpreted import launches, run_interpreted
 
 SHAPES = [(1, 1), (3, 31), (2, 32), (4, 33), (5, 100), (3, 1030)]
 
@@ -133,40 +130,10 @@ def test_wrapper_rejects_bad_bitmask_rows(bitmask, rows, pick, message):
         apply_token_bitmask_(torch.zeros(2, 64), bitmask, rows, pick)
 
 
-_INTERPRETER_SCRIPT = textwrap.dedent(
-    """
-    import torch
-    from deepinfer.kernels.reference.token_mask import apply_token_bitmask_torch_
-    from deepinfer.kernels.token_mask import apply_token_bitmask_triton_
-    gen = torch.Generator().manual_seed(0)
-    for s, v in [(1, 1), (3, 33), (4, 1030), (2, 2049)]:
-        words = (v + 31) // 32
-        bm = torch.randint(-2**31, 2**31, (s, words), generator=gen, dtype=torch.int64).to(torch.int32)
-        logits = torch.randn(s, v, generator=gen)
-        for rows in (None, torch.tensor([s - 1, 0]), torch.tensor([], dtype=torch.int64)):
-            a, b = logits.clone(), logits.clone()
-            apply_token_bitmask_torch_(a, bm, rows)
-            apply_token_bitmask_triton_(b, bm, rows)
-            assert torch.equal(a, b), (s, v, rows)
-            # per-request slots: updated row i reads bitmask row pick[i]
-            n = s if rows is None else rows.numel()
-            pick = torch.arange(n - 1, -1, -1) % s
-            a, b = logits.clone(), logits.clone()
-            apply_token_bitmask_torch_(a, bm, rows, pick)
-            apply_token_bitmask_triton_(b, bm, rows, pick.to(torch.int32))
-            assert torch.equal(a, b), (s, v, rows, "slots")
-    print("OK")
-    """
-)
-
-
-def test_triton_kernel_matches_torch_under_interpreter():
+@launches("tests/kernels/test_structured_token_mask_interpreted.py")
+def test_triton_kernel_matches_torch_under_interpreter(request):
     # TRITON_INTERPRET is read when a kernel is decorated, so the check runs in a fresh interpreter.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("OK")
+    run_interpreted(request, "token-mask kernel", allow_skips=False)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ while the submit process is alive.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -23,13 +22,9 @@ WORDS = "good bad fine great awful okay nice poor cheap solid broken lovely".spl
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> str:
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("needs a Ray instance of its own")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+def ray_address(shared_ray) -> str:
+    """The GCS address of the session's local Ray (2 CPUs, tests/support/ray_local.py)."""
+    return shared_ray.start()
 
 
 def _spec(tmp: Path, model: str, data: Path, rows_per_part: int, executor: str = "ray",

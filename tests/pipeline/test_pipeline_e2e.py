@@ -41,16 +41,10 @@ LABEL_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import logging
-
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+def ray_session(shared_ray):
+    """This process attached to the session's local Ray (2 CPUs, tests/support/ray_local.py)."""
+    shared_ray.start()
+    return pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")

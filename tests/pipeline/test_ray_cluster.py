@@ -37,6 +37,7 @@ from deepinfer.pipeline.output.storage import read_bytes
 
 from tests.support.cli_harness import REPO, reader, snapshot
 from tests.support.moto_s3 import moto_s3
+from tests.support.ray_local import stop_shared_ray
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("moto.server")
@@ -60,11 +61,12 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def cluster(s3):
+def cluster(s3, request):
     """(cluster, [worker node handles]): a head with no CPUs for workers and two worker nodes with 3 CPUs
     each (room for both engines and a prepare task on the node left after one is lost)."""
     from ray.cluster_utils import Cluster
 
+    stop_shared_ray(request.config)  # this process attaches to the cluster instead
     if ray.is_initialized():
         pytest.skip("needs a Ray cluster of its own")
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})

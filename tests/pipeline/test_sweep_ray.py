@@ -7,7 +7,6 @@ to the point run alone, and a sweep with one point removed reruns only that poin
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -22,14 +21,10 @@ ROWS = [{"qid": i, "question": f"Name a letter, number {i}."} for i in range(5)]
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+def ray_session(shared_ray):
+    """This process attached to the session's local Ray (2 CPUs, tests/support/ray_local.py)."""
+    shared_ray.start()
+    return pytest.importorskip("ray")
 
 
 def _spec(model_dir: str, data: Path, out: Path, executor: str, seed: int | None = None) -> dict:

@@ -15,6 +15,14 @@ Recognised checkpoint configs:
   they are.
 - "fp8": FP8 GEMMs; an unquantized checkpoint is quantized at load, block-scaled 128 x 128 exactly as
   `quantize_fp8_block` (so the result equals loading an offline-quantized checkpoint).
+- "fp8-channel": FP8 GEMMs with one weight scale per output channel; an unquantized checkpoint is quantized
+  at load per channel (`quantize_fp8_channel`, the "FP8-Dynamic" arithmetic); a per-channel / per-tensor
+  checkpoint as with "auto"; a block-scaled checkpoint is refused (its scales vary along K: use "auto").
+Which GEMM: per-channel and per-tensor weights (checkpoint or "fp8-channel") run the rowwise-scaled kernel
+(kernels/fp8_rowwise.py: activations quantized per token, both scales applied once after the K loop; the
+layer's K-group is its whole K), block-scaled weights the block kernel (kernels/fp8_matmul.py, activations
+quantized per token and 128-group). DeepSeek's routed experts stay FP8 only with block scales (grouped FP8
+GEMM); with per-channel scales they are dequantized at load.
 On CPU FP8 weights are always dequantized at load (the CPU path is the correctness reference).
 """
 
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-QUANTIZATION_CHOICES = (None, "auto", "fp8")
+QUANTIZATION_CHOICES = (None, "auto", "fp8", "fp8-channel")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_BLOCK = (128, 128)
 SCHEMES = ("block", "channel", "tensor")
@@ -50,12 +58,29 @@ class Fp8Format:
 @dataclass(frozen=True)
 class QuantPlan:
     """How weights load: `checkpoint` is the checkpoint's FP8 format (None: unquantized); `quantize_at_load`
-    quantizes unquantized linear weights with `load_block`; `fp8_compute` keeps FP8 weights FP8 (CUDA)."""
+    quantizes unquantized linear weights with `load_block` (or per channel when `load_scheme` is
+    "channel"); `fp8_compute` keeps FP8 weights FP8 (CUDA)."""
 
     checkpoint: Fp8Format | None
     quantize_at_load: bool
     fp8_compute: bool
     load_block: tuple[int, int] = DEFAULT_BLOCK
+    load_scheme: str = "block"
+
+    def __post_init__(self) -> None:
+        if self.load_scheme not in ("block", "channel"):
+            raise ValueError(f"QuantPlan.load_scheme={self.load_scheme!r}: expected 'block' or 'channel'")
+
+    @property
+    def rowwise(self) -> bool:
+        """Weights carry one scale per output channel (no scale varies along K): the rowwise FP8 GEMM."""
+        if self.checkpoint is not None:
+            return self.checkpoint.scheme in ("channel", "tensor")
+        return self.load_scheme == "channel"
+
+    def layer_group(self, k: int) -> int:
+        """The K-group of a layer with K columns: all of K rowwise, else `group_k`."""
+        return k if self.rowwise else self.group_k
 
     @property
     def group_k(self) -> int:
@@ -125,12 +150,22 @@ def read_checkpoint_format(model_dir: str | Path) -> Fp8Format | None:
 def plan_quantization(quantization: str | None, checkpoint: Fp8Format | None, device_type: str) -> QuantPlan:
     """The QuantPlan for `quantization=` (see the module docstring) on a CPU or CUDA device."""
     if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization={quantization!r}: expected one of {QUANTIZATION_CHOICES}")
+        raise ValueError(f"quantization={quantization!r}: expected one of {QUANTIZATION_CHOICES} (None: "
+                         "model dtype; 'auto': as the checkpoint says; 'fp8': block-scaled FP8; "
+                         "'fp8-channel': per-channel FP8 with the rowwise GEMM)")
     on_cuda = device_type == "cuda"
     if quantization is None:
         return QuantPlan(checkpoint, quantize_at_load=False, fp8_compute=False)
     if quantization == "auto":
         return QuantPlan(checkpoint, quantize_at_load=False, fp8_compute=on_cuda and checkpoint is not None)
+    if quantization == "fp8-channel":
+        if checkpoint is not None and checkpoint.scheme == "block":
+            bn, bk = checkpoint.block
+            raise ValueError(f"quantization='fp8-channel': the checkpoint is block-scaled FP8 ({bn}x{bk} "
+                             "blocks), which has no per-channel form; use quantization='auto' (block-scaled "
+                             "FP8 GEMMs) or None (dequantized)")
+        return QuantPlan(checkpoint, quantize_at_load=checkpoint is None, fp8_compute=on_cuda,
+                         load_scheme="channel")
     return QuantPlan(checkpoint, quantize_at_load=checkpoint is None, fp8_compute=on_cuda)
 
 

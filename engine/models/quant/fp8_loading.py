@@ -8,8 +8,10 @@ order, across shards) and yields what the model loaders understand:
 - for every other parameter (all of them on CPU): the float32 dequantized weight, rounded once to the
   model dtype by the loader's copy.
 Under `quantize_at_load`, unquantized linear weights of the decoder layers are quantized first with
-`quantize_fp8_block`, then take the same route, so a bf16 checkpoint loaded with quantization="fp8" gives
-bitwise the parameters of its offline-quantized copy.
+`quantize_fp8_block` (`quantize_fp8_channel` for rowwise plans), then take the same route, so a bf16
+checkpoint loaded with quantization="fp8" gives bitwise the parameters of its offline-quantized copy.
+Routed experts of a block-scaled FP8 plan stay FP8 too (models/quant/fp8_experts.py): their e4m3 weights go
+to the loader, their scales straight into the experts' scale buffers.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from deepinfer.engine.layers.linear import Linear
+from deepinfer.engine.models.quant.fp8_experts import expert_target, prepare_fp8_experts, write_expert_scales
 from deepinfer.engine.models.quant.fp8_format import QuantPlan
 from deepinfer.engine.models.quant.fp8_tensor import (
     FP8_DTYPE,
     dequantize_fp8,
     quantize_fp8_block,
+    quantize_fp8_channel,
     row_scales,
 )
 from torch import nn
@@ -45,9 +49,10 @@ _MERGES = (
 SCALE_PARAM = "fp8_scale"
 
 
-def prepare_fp8_linears(model: nn.Module, group_k: int) -> set[str]:
+def prepare_fp8_linears(model: nn.Module, group_k: int, rowwise: bool = False) -> set[str]:
     """Give each decoder-layer `Linear` an e4m3 `weight` and a float32 `fp8_scale` [N, ceil(K/group_k)]
-    (uninitialised; the loader fills them). Returns the converted module names."""
+    (uninitialised; the loader fills them); `rowwise`: one group spanning K, `fp8_scale` [N, 1] (the
+    rowwise FP8 GEMM). Returns the converted module names."""
     converted = set()
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or not name.startswith("model.layers."):
@@ -55,13 +60,24 @@ def prepare_fp8_linears(model: nn.Module, group_k: int) -> set[str]:
         if name.rsplit(".", 1)[-1] in _KEEP_DENSE:
             continue
         n, k = module.weight.shape
+        group = k if rowwise else group_k
         device = module.weight.device
         module.weight = nn.Parameter(torch.empty((n, k), dtype=FP8_DTYPE, device=device), requires_grad=False)
-        scale = torch.empty((n, -(-k // group_k)), dtype=torch.float32, device=device)
+        scale = torch.empty((n, -(-k // group)), dtype=torch.float32, device=device)
         module.register_parameter(SCALE_PARAM, nn.Parameter(scale, requires_grad=False))
-        module.fp8_group = group_k
+        module.fp8_group = group
         converted.add(name)
     return converted
+
+
+def quantize_for_load(weight: torch.Tensor, plan: QuantPlan
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]:
+    """(e4m3 weight, checkpoint-layout scale, block or None) of an unquantized weight under `plan`:
+    per channel for rowwise plans, else `plan.load_block` tiles with the plan's K-group."""
+    if plan.rowwise:
+        return (*quantize_fp8_channel(weight), None)
+    block = (plan.load_block[0], plan.group_k)
+    return (*quantize_fp8_block(weight, block), block)
 
 
 def _fp8_module(weight_name: str, fp8_modules: set[str]) -> str | None:
@@ -77,25 +93,33 @@ def _fp8_module(weight_name: str, fp8_modules: set[str]) -> str | None:
 
 
 def _emit(name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-          fp8_modules: set[str], group_k: int) -> Iterator[tuple[str, torch.Tensor]]:
+          fp8_modules: set[str], plan: QuantPlan, experts: dict[str, nn.Module]
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    target = expert_target(name, experts)
+    if target is not None:
+        write_expert_scales(target, q, scale, block)
+        yield name, q
+        return
     prefix = _fp8_module(name, fp8_modules) if name.endswith(".weight") and q.dim() == 2 else None
     if prefix is None:
         yield name, dequantize_fp8(q, scale, block)
         return
     n, k = q.shape
     yield name, q
-    yield f"{prefix}.{SCALE_PARAM}", row_scales(scale, n, k, group_k, block)
+    yield f"{prefix}.{SCALE_PARAM}", row_scales(scale, n, k, plan.layer_group(k), block)
 
 
 def fp8_weight_stream(weights: Iterable[tuple[str, torch.Tensor]], plan: QuantPlan,
-                      fp8_modules: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      fp8_modules: set[str] | None = None, fp8_experts: dict[str, nn.Module] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint stream rewritten for the model (see the module docstring).
 
-    `fp8_modules`: module names holding FP8 parameters (from `prepare_fp8_linears`); empty or None means
-    every FP8 weight is dequantized. ValueError for a weight without its scale or a scale without weight.
+    `fp8_modules`: module names holding FP8 parameters (from `prepare_fp8_linears`); `fp8_experts`: FP8
+    experts modules (from `prepare_fp8_experts`); empty or None means every FP8 weight is dequantized.
+    ValueError for a weight without its scale or a scale without weight.
     """
     fp8_modules = fp8_modules or set()
-    group_k = plan.group_k
+    experts = fp8_experts or {}
     ckpt_block = plan.checkpoint.block if plan.checkpoint is not None else None
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
@@ -106,21 +130,24 @@ def fp8_weight_stream(weights: Iterable[tuple[str, torch.Tensor]], plan: QuantPl
         if suffix is not None:
             base = name.removesuffix(suffix) + ".weight"
             if base in weights_waiting:
-                yield from _emit(base, weights_waiting.pop(base), tensor, ckpt_block, fp8_modules, group_k)
+                yield from _emit(base, weights_waiting.pop(base), tensor, ckpt_block, fp8_modules, plan,
+                                 experts)
             else:
                 scales_waiting[base] = tensor
             continue
         if tensor.dtype == FP8_DTYPE:
             if name in scales_waiting:
-                yield from _emit(name, tensor, scales_waiting.pop(name), ckpt_block, fp8_modules, group_k)
+                yield from _emit(name, tensor, scales_waiting.pop(name), ckpt_block, fp8_modules, plan,
+                                 experts)
             else:
                 weights_waiting[name] = tensor
             continue
         # An unquantized weight bound for an FP8 layer (a layer the checkpoint left in bf16) is quantized too.
-        to_fp8 = tensor.dim() == 2 and _fp8_module(name, fp8_modules) is not None
+        to_fp8 = (tensor.dim() == 2 and _fp8_module(name, fp8_modules) is not None
+                  or expert_target(name, experts) is not None)
         if to_fp8 or (plan.quantize_at_load and tensor.dim() >= 2 and _QUANTIZABLE.match(name)):
-            block = (plan.load_block[0], group_k)
-            yield from _emit(name, *quantize_fp8_block(tensor, block), block, fp8_modules, group_k)
+            q, scale, block = quantize_for_load(tensor, plan)
+            yield from _emit(name, q, scale, block, fp8_modules, plan, experts)
             continue
         yield name, tensor
     if weights_waiting or scales_waiting:
@@ -135,8 +162,16 @@ def load_with_plan(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     if not plan.touches_weights:
         model.load_weights(weights)
         return
-    fp8_modules = prepare_fp8_linears(model, plan.group_k) if plan.fp8_compute else set()
-    model.load_weights(fp8_weight_stream(weights, plan, fp8_modules))
+    fp8_modules, experts = _prepare(model, plan)
+    model.load_weights(fp8_weight_stream(weights, plan, fp8_modules, experts))
+
+
+def _prepare(model: nn.Module, plan: QuantPlan) -> tuple[set[str], dict[str, nn.Module]]:
+    """FP8 linears and (block-scaled plans only: the grouped GEMM needs K-groups) FP8 experts."""
+    if not plan.fp8_compute:
+        return set(), {}
+    linears = prepare_fp8_linears(model, plan.group_k, plan.rowwise)
+    return linears, ({} if plan.rowwise else prepare_fp8_experts(model, plan.group_k))
 
 
 @torch.no_grad()
@@ -146,17 +181,27 @@ def init_dummy_with_plan(model: nn.Module, plan: QuantPlan, seed: int = 0) -> No
     model.init_dummy_weights(seed)
     if not (plan.quantize_at_load or plan.fp8_compute):
         return
-    group_k = plan.group_k
     dense = {name: m.weight.detach().clone() for name, m in model.named_modules()
              if isinstance(m, Linear) and name.startswith("model.layers.")}
-    fp8_modules = prepare_fp8_linears(model, group_k) if plan.fp8_compute else set()
+    fused = {}   # fused expert weights [E, N, K], by checkpoint name (what expert_target reads)
+    for name, m in model.named_modules():
+        for p in ("gate_up_proj", "down_proj"):
+            w = getattr(m, p, None)
+            if name.startswith("model.layers.") and isinstance(w, torch.Tensor) and w.dim() == 3:
+                fused[f"{name}.{p}"] = w.detach().clone()
+    fp8_modules, experts = _prepare(model, plan)
     modules = dict(model.named_modules())
     for name, weight in dense.items():
-        block = (plan.load_block[0], group_k)
-        q, scale = quantize_fp8_block(weight, block)
+        q, scale, block = quantize_for_load(weight, plan)
         module = modules[name]
         if name in fp8_modules:
             module.weight.copy_(q)
-            getattr(module, SCALE_PARAM).copy_(row_scales(scale, *q.shape, group_k, block))
+            getattr(module, SCALE_PARAM).copy_(row_scales(scale, *q.shape, module.fp8_group, block))
         else:
             module.weight.copy_(dequantize_fp8(q, scale, block))
+    for name, weight in fused.items():   # FP8 experts only: other expert weights keep the dummy values
+        target = expert_target(name, experts)
+        if target is not None:
+            q, scale, block = quantize_for_load(weight, plan)
+            getattr(target[0], target[1]).copy_(q)
+            write_expert_scales(target, q, scale, block)

@@ -53,6 +53,18 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return q, inv
 
 
+def quantize_fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (e4m3 [..., N, K], weight_scale float32 [..., N, 1]), one scale per output
+    channel with the arithmetic of llm-compressor's "FP8-Dynamic" checkpoints (s = amax / 448, at least
+    the smallest normal float32; q = clamp(w / s, +-448) rounded to nearest e4m3), so quantizing at load
+    equals loading such a checkpoint made from the same weights."""
+    if weight.dim() < 2:
+        raise ValueError(f"weight of shape {tuple(weight.shape)}: expected [..., N, K]")
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def _block_of(grid: tuple[int, int], n: int, k: int, block: tuple[int, int] | None) -> tuple[int, int]:
     """The (bn, bk) tile of a scale grid: the checkpoint's `block` when known (partial edge tiles make the
     grid alone ambiguous), else inferred from a grid that divides the weight exactly."""

@@ -1,0 +1,200 @@
+"""Rowwise-scaled FP8 GEMM: out = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :], scales applied once.
+
+For per-channel and per-tensor FP8 weights ("FP8-Dynamic" checkpoints, `quantization="fp8-channel"`):
+`quantize_rows` turns activations x [M, K] into e4m3 with ONE float32 scale per row (max |x| of the row /
+448); the weight is e4m3 [N, K] with one scale per output channel [N, 1] (a per-tensor scale broadcast).
+Since no scale varies along K, the K loop is a plain `acc = tl.dot(a, b, acc)` chain (the tensor-core
+pipeline runs asynchronously, like torch._scaled_mm rowwise) and both scales multiply the fp32 accumulator
+once in the epilogue. The math is `fp8_linear_ref` with a single K-group (kernels/reference/fp8_matmul.py).
+
+Batch invariance (`invariant=True`): the row scale is row-local (its max is exact whatever the chunking),
+the tile config is a function of (N, K) only, K is walked in increasing order with no split-K and rows past
+M read row 0 and are never stored, so a row's bits depend on neither M nor the other rows. The fast mode
+picks the tile from M too. `ROWWISE_CANDIDATES` are the tiles a sweep (benchmarks/bench_fp8.py --sweep)
+compares on the device; `config=` runs any of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels.fp8_matmul import round_to_e4m3
+from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
+
+__all__ = ["quantize_rows", "fp8_rowwise_linear", "rowwise_tile_config", "ROWWISE_CANDIDATES"]
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, imprecise: int = 0) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, "IMPRECISE_ACC": imprecise}
+
+
+# Hopper candidates (smem per stage = (BLOCK_M + BLOCK_N) * BLOCK_K bytes; 228 KiB per SM on the H200).
+# IMPRECISE_ACC > 0 passes `max_num_imprecise_acc` to tl.dot: the fp8 tensor-core partial sums are promoted
+# to a full fp32 add every that many K elements (0 = Triton's default for the device).
+ROWWISE_CANDIDATES: tuple[dict[str, int], ...] = (
+    _cfg(128, 256, 128, 8, 3), _cfg(128, 256, 128, 8, 4), _cfg(128, 128, 128, 4, 4),
+    _cfg(128, 128, 128, 8, 4), _cfg(128, 128, 128, 8, 5), _cfg(64, 128, 128, 4, 4),
+    _cfg(64, 128, 128, 4, 6), _cfg(64, 256, 128, 4, 4), _cfg(64, 64, 128, 4, 6),
+    _cfg(128, 128, 64, 4, 6), _cfg(256, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 3, imprecise=128),
+    _cfg(64, 128, 128, 4, 4, imprecise=128),
+)
+
+
+def rowwise_tile_config(m: int | None, n: int, k: int) -> dict[str, int]:
+    """Tile config: from (N, K) only when `m` is None (invariant), else also from M (fast).
+
+    Not measured yet (the defaults follow the bf16 sweep's shapes: 64-row tiles for decode-sized M, wide
+    tiles for prefill); the invariant mode uses 64 x 128 for every M, so decode batches keep enough tiles
+    to fill the GPU. benchmarks/bench_fp8.py --sweep prints the best candidate per shape.
+    """
+    del n, k  # kept in the signature: a per-shape table from the sweep returns here
+    if m is None or m <= 64:
+        return _cfg(64, 128, 128, 4, 4)
+    if m <= 256:
+        return _cfg(128, 128, 128, 8, 4)
+    return _cfg(128, 256, 128, 8, 3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
+    # Two passes over the row (max, then quantize): each element's arithmetic is the one-row reference's,
+    # so the bits depend on neither ROWS nor BLOCK.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (offs[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    # The scale as fp8_matmul's quantizer computes it (`/` by the constant): the bits torch's own
+    # division by a scalar gives on the GPU (it multiplies by the reciprocal), which an IEEE division
+    # does not always reproduce (the H200 test found rows that differed in the last bit).
+    scale = tl.maximum(amax, EPS) / QMAX
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (offs[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        # IEEE division, as in fp8_matmul's quantizer: the approximate one moves boundary quotients.
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX))
+        tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :],
+                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+
+
+# Rows per quantization program: one for decode-sized M (more programs in flight), four above; the bits
+# do not depend on it.
+_QUANT_ROWS_SMALL_M, _QUANT_ROWS = 1, 4
+_QUANT_BLOCK = 1024
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]); bitwise `quantize_act_ref(x, group=K)`."""
+    check_tensor("x", x, ndim=2)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = min(_QUANT_BLOCK, triton.next_power_of_2(k))
+        rows = _QUANT_ROWS_SMALL_M if m <= 256 else _QUANT_ROWS
+        _row_quant_kernel[(triton.cdiv(m, rows),)](
+            x, q, s, m, k, x.stride(0), q.stride(0),
+            ROWS=rows, BLOCK=block, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=4)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _rowwise_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
+                         stride_am, stride_bn, stride_bsn, stride_om,
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    # Grouped tile order (GROUP_M row tiles share the weight tiles they read while those are in L2).
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)   # rows past M read row 0, never stored
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IMPRECISE_ACC > 0:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    # Epilogue: (acc * s_x) * s_w, the reference's order of the two scalings.
+    sa = tl.load(as_ptr + rows)
+    sb = tl.load(bs_ptr + cols * stride_bsn)
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rowwise_weight(weight: torch.Tensor, scale: torch.Tensor, k: int, device: torch.device) -> None:
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,), device=device)
+    check_tensor("weight_scale", scale, ndim=2, dtypes=(torch.float32,), device=device)
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match K={k}")
+    if tuple(scale.shape) != (weight.shape[0], 1):
+        raise ValueError(f"weight_scale: shape {tuple(scale.shape)}, expected ({weight.shape[0]}, 1) (one "
+                         "scale per output channel; broadcast a per-tensor scale)")
+
+
+def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int]) -> torch.Tensor:
+    """The GEMM alone on pre-quantized rows (xq e4m3 [M, K], xs [M, 1]); benchmarks time it separately."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _rowwise_gemm_kernel[grid](
+        xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
+        xq.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, IMPRECISE_ACC=cfg.get("IMPRECISE_ACC", 0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def fp8_rowwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, invariant: bool = True,
+                       config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(weight [N, K] e4m3, weight_scale [N, 1])^T (+ bias [N]) -> [M, N] in x's dtype,
+    x quantized per row on the fly. `invariant`: the batch-invariant tile config; `config` overrides it."""
+    check_tensor("x", x, ndim=2)
+    m, k = x.shape
+    _check_rowwise_weight(weight, weight_scale, k, x.device)
+    if m == 0 or weight.shape[0] == 0:
+        return torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    xq, xs = quantize_rows(x)
+    cfg = config or rowwise_tile_config(None if invariant else m, weight.shape[0], k)
+    return rowwise_matmul(xq, xs, weight, weight_scale, bias, x.dtype, cfg)
