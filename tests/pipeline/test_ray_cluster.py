@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -250,6 +251,12 @@ def test_parts_in_flight_on_a_lost_node_are_recomputed_and_committed_once(job, c
             for rec in committer_leases(out):
                 pending = [p for p in rec["parts"] if not out.fs.exists(out.marker_path(p))]
                 if rec["node"] == dead and pending:
+                    # The committing engine actor first (the cluster's nodes share this machine): a worker
+                    # process can outlive its SIGKILLed raylet long enough to finish the part's commit.
+                    try:
+                        os.kill(int(rec["pid"]), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     c.remove_node(workers[1], allow_graceful=False)  # SIGKILL: raylet, store, workers
                     killed.append(time.monotonic())
                     # Looked at again once the node is dead: a part it committed between the look above
