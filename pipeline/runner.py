@@ -128,7 +128,7 @@ def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
     which must rebuild a row exactly as the run that committed it did)."""
     cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
     if spec.input.format == "parquet":
-        keep_types = keep_types_from_parquet(listing, cols, spec.input.storage_options)
+        keep_types = keep_types_from_parquet(listing, cols)
     else:
         keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options,
                                            id_column=spec.input.id_column)

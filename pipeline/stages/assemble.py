@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 import pyarrow as pa
-from deepinfer.pipeline.errors import ERROR_SCHEMA, MAX_MESSAGE_CHARS, InputError
+from deepinfer.pipeline.errors import ERROR_SCHEMA, MAX_MESSAGE_CHARS
 from deepinfer.pipeline.spec.output_columns import arrow_type, column_kinds, column_value
 from deepinfer.pipeline.stages import columns as C
 
@@ -158,25 +158,13 @@ def _per_sample(ok: list[dict]) -> list[dict]:
     return out
 
 
-def keep_types_from_parquet(listing: list, columns: list[str], storage_options: dict | None
-                            ) -> dict[str, pa.DataType]:
-    """Unified Arrow types of `columns` across the input Parquet files' schemas: the ones the listing read
-    from each footer, else (a listing built elsewhere) the footer read again."""
-    from deepinfer.pipeline.stages.read import parquet_schema
-
+def keep_types_from_parquet(listing: list, columns: list[str]) -> dict[str, pa.DataType]:
+    """Unified Arrow types of `columns` across the input Parquet files' schemas, as the listing read them
+    from each footer (stages/read.py list_input)."""
     if not columns:
         return {}
-    schemas = []
-    for f in listing:
-        if f.bad is not None:  # on_bad_file: quarantine listed it; its rows become BAD_FILE errors
-            continue
-        if f.schema is not None:
-            schemas.append(f.schema)
-            continue
-        try:
-            schemas.append(parquet_schema(f.url, storage_options))
-        except InputError:
-            continue
+    # on_bad_file: quarantine listed an unreadable file with no schema; its rows become BAD_FILE errors.
+    schemas = [f.schema for f in listing if f.bad is None]
     types: dict[str, pa.DataType] = {}
     for col in columns:
         fields = [s.field(col) for s in schemas if col in s.names]

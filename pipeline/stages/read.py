@@ -129,7 +129,7 @@ def list_input(path: str, fmt: str, storage_options: dict | None = None,
         rel = relative_input_path(base, p)
         size = int(info.get("size") or 0)
         try:
-            n, offsets, schema = _count_rows(fs, p, fmt, stride)
+            n, offsets, schema = count_rows(fs, p, fmt, stride)
         except Exception as exc:
             if not _is_corrupt(exc):
                 raise
@@ -149,15 +149,10 @@ def _compressed(path: str) -> bool:
     return infer_compression(path) is not None
 
 
-def count_rows(fs, path: str, fmt: str, stride: int = 0) -> tuple[int, tuple[int, ...]]:
-    """(rows, offsets) of one file: the Parquet footer's count, or the non-blank lines of a JSONL file
-    with the byte offset of every `stride`-th of them (uncompressed files only)."""
-    n, offsets, _ = _count_rows(fs, path, fmt, stride)
-    return n, offsets
-
-
-def _count_rows(fs, path: str, fmt: str, stride: int) -> tuple[int, tuple[int, ...], Any]:
-    """count_rows plus, for Parquet, the file's Arrow schema (None for JSONL)."""
+def count_rows(fs, path: str, fmt: str, stride: int = 0) -> tuple[int, tuple[int, ...], Any]:
+    """(rows, offsets, schema) of one file: the Parquet footer's count and Arrow schema, or the non-blank
+    lines of a JSONL file with the byte offset of every `stride`-th of them (uncompressed files only) and
+    no schema."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -174,20 +169,6 @@ def _count_rows(fs, path: str, fmt: str, stride: int) -> tuple[int, tuple[int, .
                 n += 1
             pos += len(line)
     return n, tuple(offsets), None
-
-
-def parquet_schema(url: str, storage_options: dict | None = None):
-    """The Arrow schema of a Parquet file (footer only)."""
-    import pyarrow.parquet as pq
-
-    fs, p = filesystem(url, storage_options)
-    try:
-        with fs.open(p, "rb") as f:
-            return pq.ParquetFile(f).schema_arrow
-    except Exception as exc:
-        if _is_corrupt(exc):
-            raise bad_file_error(url, "parquet", exc) from None
-        raise
 
 
 def read_rows(url: str, fmt: str, first_row: int, num_rows: int, storage_options: dict | None = None,

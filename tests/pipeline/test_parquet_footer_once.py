@@ -27,15 +27,9 @@ def test_listing_and_kept_types_read_each_footer_once(parquet_dir, monkeypatch):
 
     monkeypatch.setattr(pq, "ParquetFile", counting)
     listing = read.list_input(str(parquet_dir), "parquet")
-    types = assemble.keep_types_from_parquet(listing, ["id", "label", "other"], None)
+    types = assemble.keep_types_from_parquet(listing, ["id", "label", "other"])
     assert len(opened) == 3
     assert [f.num_rows for f in listing] == [2, 1, 1]
     # int64 and double unify to double; a column missing from some files keeps the others' type.
     assert types == {"id": pa.float64(), "label": pa.string(), "other": pa.bool_()}
 
-
-def test_kept_types_of_a_listing_without_schemas_read_the_footers(parquet_dir):
-    listing = [read.InputFile(f.index, f.url, f.path, f.root, f.relpath, f.size, f.num_rows)
-               for f in read.list_input(str(parquet_dir), "parquet")]
-    assert all(f.schema is None for f in listing)
-    assert assemble.keep_types_from_parquet(listing, ["label"], None) == {"label": pa.string()}
