@@ -190,12 +190,11 @@ def _k_loop(acc, a_ptrs, b_ptrs, as_ptrs, bs_ptrs, K, BLOCK_K: tl.constexpr, K_L
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
-                     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_LOOP: tl.constexpr):
-    pid = tl.program_id(0)
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile `pid` of an [M, N] GEMM in grouped order (GROUP_M row tiles share the weight tiles they
+    read while those are in L2): (offs_m, offs_n, rows, cols), where rows / cols past M / N read row /
+    column 0 (int64), so the K loop needs no mask on them and those results are never stored."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_group = GROUP_M * num_pid_n
@@ -205,8 +204,17 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
     pid_n = (pid % tiles_per_group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)   # rows past M read row 0, never stored
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    return offs_m, offs_n, rows, cols
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K,
+                     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_LOOP: tl.constexpr):
+    offs_m, offs_n, rows, cols = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _k_loop(acc, a_ptr + rows[:, None] * stride_am + offs_k[None, :],

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.fp8_matmul import round_to_e4m3
+from deepinfer.kernels.fp8_matmul import grouped_tile, round_to_e4m3
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_rows", "fp8_rowwise_linear", "rowwise_tile_config", "ROWWISE_CANDIDATES"]
@@ -113,19 +113,7 @@ def _rowwise_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, 
                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
-    # Grouped tile order (GROUP_M row tiles share the weight tiles they read while those are in L2).
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)   # rows past M read row 0, never stored
-    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_m, offs_n, rows, cols = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + cols[None, :] * stride_bn + offs_k[:, None]
