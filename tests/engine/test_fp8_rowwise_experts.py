@@ -116,7 +116,7 @@ def test_quantize_at_load_per_channel_equals_offline_checkpoint(dirs):
 
 
 def test_fp8_experts_hold_the_checkpoint_weights_and_run(dirs):
-    from tests.support.paged_runner import PagedBatchRunner
+    from tests.support.paged_runner import prefill_rel_error
 
     model, cfg, plan = _fp8_model(dirs["v3-block"], "auto")
     dense = _llm(dirs["v3-block-deq"]).model
@@ -133,13 +133,7 @@ def test_fp8_experts_hold_the_checkpoint_weights_and_run(dirs):
             assert torch.equal(q.float() * full, dense_params[f"{name}.{pname}"]), (name, pname)
     assert converted == cfg.num_hidden_layers - cfg.moe.first_k_dense_replace
     ids = [5, 17, 3, 40, 22, 9, 31]
-    logits = []
-    for m in (model, dense):
-        runner = PagedBatchRunner(m, cfg)
-        runner.add("a", ids)
-        logits.append(runner.step([("a", len(ids))])["a"])
-    got, want = logits
-    rel = (got - want).abs().amax(dim=1) / want.abs().max()
+    got, rel = prefill_rel_error(model, dense, cfg, ids)
     assert torch.isfinite(got).all() and float(rel.median()) < 0.15
 
 

@@ -87,3 +87,16 @@ class PagedBatchRunner:
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
     return AttentionMetadata(**fields)
+
+
+def prefill_rel_error(model, reference, cfg: ModelConfig, ids: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill `ids` through `model` and `reference`: (model's logits [len(ids), V], each position's max
+    absolute error relative to the reference's largest logit) — how the FP8 tests bound a quantized model."""
+    logits = []
+    for m in (model, reference):
+        runner = PagedBatchRunner(m, cfg)
+        runner.add("a", ids)
+        logits.append(runner.step([("a", len(ids))])["a"])
+    got, want = logits
+    return got, (got - want).abs().amax(dim=1) / want.abs().max()
