@@ -1,11 +1,12 @@
 """The Ray Data executor (the product path). pipeline/ROWFLOW.md tells the whole row flow.
 
 Dataset plan, one block per part all the way: part tasks (PART_TASK_SCHEMA, one one-row block each) ->
-prepare (a task per part: read, prompt, tokenize, length-sort per sort window; fused by Ray Data) ->
-engine (an actor pool of runtime.engines actors, num_gpus=1 each on GPU clusters; each call takes one
-whole part, runs it in runtime.batch_size engine calls and commits it from where it ran: see
-output/worker_commit.py) -> the driver, which streams the parts' reports with iter_batches as engines
-commit them, counting progress and the summary. Each engine actor has at
+prepare (a task per part: read, prompt, tokenize, length-sort per sort window; fused by Ray Data; its
+output is one packed row per part, stages/packed_parts.py) -> engine (an actor pool of runtime.engines
+actors, num_gpus=1 each on GPU clusters, mapped with batch_size=1; each call takes one whole part,
+runs it in runtime.batch_size engine calls and commits it from where it ran: see output/worker_commit.py)
+-> the driver, which streams the parts' reports with iter_batches as engines commit them, counting
+progress and the summary. Each engine actor has at
 most runtime.max_batches_in_flight parts queued, so a kill loses at most engines x that many parts, and
 the driver never holds more than the few result blocks it is committing. The actor pool starts its
 actors (and they build their models) while the first parts are read and tokenized.
@@ -30,12 +31,18 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import SpecError
 from deepinfer.pipeline.output.worker_commit import CommitTarget
 from deepinfer.pipeline.parts import PartTask, tasks_table
+from deepinfer.pipeline.stages import columns as C
+from deepinfer.pipeline.stages.packed_parts import unpack_parts
 from deepinfer.pipeline.stages.plan import EngineActor, StagePlan, prepare_batch
+
+if TYPE_CHECKING:
+    import ray.data
 
 # Light CPU stages ask for a fraction of a core so that they always fit beside the actors that hold cores.
 _LIGHT_CPUS = 0.25
@@ -240,10 +247,18 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
             settings: EngineSettings, target: CommitTarget | None = None) -> Iterator[pa.Table]:
     """Yield ENGINE_SCHEMA tables, one per part as a rule, as the engines finish them (no order); with
     `target`, the engine actors commit each part themselves and yield REPORT_SCHEMA reports."""
-    import ray.data
-
     if not parts:
         return
+    ds = engine_dataset(plan, parts, session, settings, target)
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+
+
+def engine_dataset(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
+                   settings: EngineSettings, target: CommitTarget | None = None) -> ray.data.Dataset:
+    """The (lazy) dataset of `run_ray`: part tasks -> prepare -> engine actors; nothing runs until it is
+    iterated."""
+    import ray.data
+
     use_gpu = uses_gpus(plan, session)
     engines = engine_count(settings.engines, session, use_gpu,
                            plan.engine_kwargs.get("tensor_parallel_size", 1))
@@ -254,8 +269,10 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     # a busy node) the first engine ready takes every part of a short job and the others idle.
     ctx.wait_for_min_actors_s = (ENGINE_START_TIMEOUT_S if engines > 1 and
                                  engines_fit(engines, engine_cpus, tp, use_gpu, session) else -1)
-    # One block per part, and batch_size=None below (a batch is a whole block): Ray Data then never
-    # merges parts into one task, so each part's results come back, and are committed, on their own.
+    # One block per part, batch_size=None for prepare (a batch is a whole block) and one packed row per
+    # part into the engines, mapped with batch_size=1 (stages/packed_parts.py; Ray Data refuses None
+    # with GPUs): Ray Data then never merges or splits parts, so each part's results come back, and are
+    # committed, on their own.
     ds = ray.data.from_arrow([tasks_table([task]) for task in parts])
     # At most one prepare task per engine at a time: preparing a part is far cheaper than generating it,
     # and unbounded read-ahead (4 tasks per spare CPU at 0.25 CPU each) would take the cores a CPU
@@ -265,14 +282,14 @@ def run_ray(plan: StagePlan, parts: Sequence[PartTask], session: RaySession,
     # Placement: Ray Data creates pool actors with its SPREAD default (DataContext.scheduling_strategy;
     # an explicit scheduling_strategy is deprecated there), so engines go to different nodes first.
     ds = ds.map_batches(
-        NodeEngineActor, fn_constructor_kwargs={"plan": plan, "target": target}, batch_size=None,
+        NodeEngineActor, fn_constructor_kwargs={"plan": plan, "target": target}, batch_size=1,
         batch_format="pyarrow",
         # A tensor-parallel engine (model.tensor_parallel_size) spans that many GPUs of one node.
         num_gpus=tp if use_gpu else 0, num_cpus=engine_cpus,
         compute=ray.data.ActorPoolStrategy(size=engines,
                                            max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+    return ds
 
 
 class NodeEngineActor(EngineActor):
@@ -292,7 +309,8 @@ class NodeEngineActor(EngineActor):
             self.committer = PartCommitter(target, self.stage.engine_id)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = unpack_parts(batch, C.TOKENIZE_SCHEMA)
         if self.committer is None:
-            return super().__call__(batch)
-        self.committer.starting(batch)
-        return self.committer.commit(super().__call__(batch))
+            return self.stage.generate_part(rows, self.batch_size)
+        self.committer.starting(rows)
+        return self.committer.commit(self.stage.generate_part(rows, self.batch_size))

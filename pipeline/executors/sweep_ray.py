@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,9 +32,14 @@ from deepinfer.pipeline.executors.ray_data import (
 )
 from deepinfer.pipeline.parts import PartTask, tasks_from_table, tasks_table
 from deepinfer.pipeline.stages import columns as C
+from deepinfer.pipeline.stages.packed_parts import pack_parts, unpack_parts
 from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
 TAG_SEP = "|"  # never in a part id (parts.PART_ID_RE) nor in a point key (sweep_run uses indices)
+
+
+if TYPE_CHECKING:
+    import ray.data
 
 
 def tag_part(key: str, part_id: str) -> str:
@@ -46,10 +52,10 @@ def split_tag(tagged: str) -> tuple[str, str]:
 
 
 def prepare_point_batch(batch: pa.Table, plans: Mapping[str, StagePlan]) -> pa.Table:
-    """Ray Data task stage: tagged PART_TASK_SCHEMA rows -> their tokenized rows, each prepared with
-    its point's plan (the tag stays in __part for the engine and the driver)."""
-    tables = [prepare_part(plans[split_tag(task.part_id)[0]], task) for task in tasks_from_table(batch)]
-    return pa.concat_tables(tables) if tables else C.TOKENIZE_SCHEMA.empty_table()
+    """Ray Data task stage: tagged PART_TASK_SCHEMA rows -> one packed row of tokenized rows per part,
+    each prepared with its point's plan (the tag stays in __part for the engine and the driver)."""
+    tasks = tasks_from_table(batch)
+    return pack_parts(prepare_part(plans[split_tag(task.part_id)[0]], task) for task in tasks)
 
 
 def by_point(table: pa.Table) -> list[tuple[str, pa.Table]]:
@@ -87,6 +93,7 @@ class SweepEngineActor:
             self.stages[key] = (stage, plan.batch_size)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        batch = unpack_parts(batch, C.TOKENIZE_SCHEMA)
         results = []
         present = sorted(pc.unique(batch.column("__part")).to_pylist())
         for value in present:
@@ -103,11 +110,19 @@ def run_ray_group(plans: Mapping[str, StagePlan], parts: Mapping[str, Sequence[P
     `plans` must share one StagePlan.engine_key (sweep_run groups them so); `parts` are each point's
     parts still to run.
     """
-    import ray.data
-
     tagged = [replace(t, part_id=tag_part(key, t.part_id)) for key in plans for t in parts.get(key, ())]
     if not tagged:
         return
+    ds = group_dataset(plans, tagged, session, settings)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+        yield from by_point(batch)
+
+
+def group_dataset(plans: Mapping[str, StagePlan], tagged: Sequence[PartTask], session: RaySession,
+                  settings: EngineSettings) -> ray.data.Dataset:
+    """The (lazy) dataset of `run_ray_group` over its tagged part tasks."""
+    import ray.data
+
     first = next(iter(plans.values()))
     if len({p.engine_key() for p in plans.values()}) != 1:
         raise ValueError("run_ray_group: the plans do not share one engine; group them by engine_key")
@@ -119,10 +134,9 @@ def run_ray_group(plans: Mapping[str, StagePlan], parts: Mapping[str, Sequence[P
     ds = ds.map_batches(prepare_point_batch, fn_kwargs={"plans": dict(plans)}, batch_size=None,
                         batch_format="pyarrow", num_cpus=_LIGHT_CPUS, concurrency=engines)
     ds = ds.map_batches(
-        SweepEngineActor, fn_constructor_kwargs={"plans": dict(plans)}, batch_size=None,
+        SweepEngineActor, fn_constructor_kwargs={"plans": dict(plans)}, batch_size=1,
         batch_format="pyarrow", num_gpus=tp if use_gpu else 0, num_cpus=engine_cpus,
         compute=ray.data.ActorPoolStrategy(size=engines,
                                            max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
-        yield from by_point(batch)
+    return ds

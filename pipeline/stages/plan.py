@@ -17,6 +17,7 @@ from deepinfer.pipeline.parts import PartTask, tasks_from_table
 from deepinfer.pipeline.spec.load import JobSpec
 from deepinfer.pipeline.stages import columns as C
 from deepinfer.pipeline.stages.generate import EngineCache, EngineStage
+from deepinfer.pipeline.stages.packed_parts import pack_parts, unpack_parts
 from deepinfer.pipeline.stages.prompt import (
     PromptStage,
     TokenizeStage,
@@ -122,17 +123,18 @@ def prepare_part(plan: StagePlan, task: PartTask) -> pa.Table:
 
 
 def prepare_batch(batch: pa.Table, plan: StagePlan) -> pa.Table:
-    """Ray Data task stage: PART_TASK_SCHEMA rows (one per part) -> those parts' tokenized rows."""
-    tables = [prepare_part(plan, task) for task in tasks_from_table(batch)]
-    return pa.concat_tables(tables) if tables else C.TOKENIZE_SCHEMA.empty_table()
+    """Ray Data task stage: PART_TASK_SCHEMA rows (one per part) -> one packed row per part, holding its
+    tokenized rows (stages/packed_parts.py: what keeps a part whole on its way to an engine)."""
+    return pack_parts(prepare_part(plan, task) for task in tasks_from_table(batch))
 
 
 class EngineActor:
-    """Ray Data actor stage: one engine; each call receives whole parts and returns their results."""
+    """Ray Data actor stage: one engine; each call receives whole parts (packed rows, as prepare_batch
+    writes them) and returns their results."""
 
     def __init__(self, plan: StagePlan) -> None:
         self.stage = plan.engine_stage()
         self.batch_size = plan.batch_size
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return self.stage.generate_part(batch, self.batch_size)
+        return self.stage.generate_part(unpack_parts(batch, C.TOKENIZE_SCHEMA), self.batch_size)
