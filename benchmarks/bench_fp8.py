@@ -7,6 +7,9 @@ cuBLAS bf16, torch._scaled_mm rowwise (the FP8 ceiling), ours block-scaled (K lo
 (`*_alone`), plus the quantizations alone; qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336 at M = 64, 256, 2048. MoE: the whole routed-expert op of DeepSeek-V2-Lite (64 experts, top-6,
 hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py.
+Fused activation quantization (benchmarks/fp8_fused_timing.py): RMSNorm -> FP8 (K = 4096) and SiLU-and-mul
+-> FP8 (K = 14336) against the bf16 op and the op + quantize_rows, alone and with the consumer GEMM, at
+M = 64 / 256 / 2048 (part of the GEMM part; `--fused-only` runs just that table, ~1 min).
 End to end (`LLM.generate`, random weights via load_format="dummy", greedy, every request forced to its
 length, one warm-up then `--runs` measured runs, medians): Llama-3.1-8B shape, 256 prompts x 512 tokens,
 256 output tokens; DeepSeek-V2-Lite shape (benchmarks/bench_deepseek.py), 128 prompts x 512, 128 out.
@@ -16,6 +19,8 @@ On one H200 (estimates, not yet measured; each command is meant to stay under 8 
     python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8-det,fp8ch-kv8-det --json out/fp8_b.json
     python3 benchmarks/bench_fp8.py --skip-gemm --arms ds-bf16-det,ds-fp8-det,ds-fp8-fast --json out/c.json
     python3 benchmarks/bench_fp8.py --sweep --skip-e2e --json out/fp8_sweep.json   # GEMMs + sweep, ~4 min
+    python3 benchmarks/bench_fp8.py --fused-only --json out/fp8_fused.json    # fused quant table, ~1 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8ch-det,fp8ch-unfused-det  # ~3.5 min
     python3 benchmarks/bench_fp8.py --quick                   # CPU smoke test (about a minute)
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +51,9 @@ ARMS = {
     "fp8-fast": dict(LLAMA, quantization="fp8", deterministic=False),
     "fp8ch-det": dict(LLAMA, quantization="fp8-channel", deterministic=True),  # per channel: rowwise GEMM
     "fp8ch-fast": dict(LLAMA, quantization="fp8-channel", deterministic=False),
+    # The rowwise linears quantizing their own input (the path before kernels/fp8_fused_quant.py).
+    "fp8ch-unfused-det": dict(LLAMA, quantization="fp8-channel", deterministic=True,
+                              env={"DEEPINFER_DISABLE_FUSED_FP8_QUANT": "1"}),
     "fp8ch-kv8-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=True),
     "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
     "ds-bf16-det": dict(DEEPSEEK, quantization=None, deterministic=True),
@@ -93,6 +102,7 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
 
     spec = dict(ARMS[arm])
     shape, n, prompt_len, out_len = (spec.pop(k) for k in ("shape", "prompts", "prompt_len", "out_len"))
+    env = spec.pop("env", {})
     if quick:
         n, prompt_len, out_len = 8, 32, 8
     model_dir = _model_dir(shape, root, quick)
@@ -103,9 +113,18 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
     dev = "cpu" if quick else "cuda"
     mem = dict(num_kv_blocks=64) if quick else dict(gpu_memory_utilization=0.85)
     t0 = time.perf_counter()
-    llm = LLM(model=str(model_dir), dtype="bfloat16", device=dev, load_format="dummy",
-              max_model_len=prompt_len + out_len + 16, max_num_seqs=n, max_num_batched_tokens=16384,
-              **mem, **spec)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)          # read when the engine builds its ops backend
+    try:
+        llm = LLM(model=str(model_dir), dtype="bfloat16", device=dev, load_format="dummy",
+                  max_model_len=prompt_len + out_len + 16, max_num_seqs=n, max_num_batched_tokens=16384,
+                  **mem, **spec)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     startup = time.perf_counter() - t0
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up: every batch shape seen once
     secs, first, same = [], None, True
@@ -182,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM / MoE timing")
     ap.add_argument("--sweep", action="store_true", help="also the tile sweep (benchmarks/fp8_sweep.py)")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="only the fused activation-quantization table (benchmarks/fp8_fused_timing.py)")
     ap.add_argument("--layers", default=",".join(LLAMA_8B), help="GEMM layers, of qkv,o,gate_up,down")
     ap.add_argument("--json", type=Path, default=None, help="write all results here")
     args = ap.parse_args(argv)
@@ -198,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
                     "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"}
     t_start = time.perf_counter()
+    if args.fused_only or (cuda and not args.skip_gemm):
+        if not cuda:
+            ap.error("--fused-only needs a CUDA GPU")
+        from benchmarks.fp8_fused_timing import bench_fused_quant, fused_table
+
+        result["fused_quant"] = bench_fused_quant(emit)
+        print(fused_table(result["fused_quant"]), flush=True)
+    if args.fused_only:
+        args.skip_gemm = args.skip_e2e = True
     if not args.skip_gemm:
         if cuda:
             result["gemm"] = bench_gemms(layers, MS, emit)

@@ -1,8 +1,10 @@
 """Rowwise-scaled FP8 GEMM: out = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :], scales applied once.
 
 For per-channel and per-tensor FP8 weights ("FP8-Dynamic" checkpoints, `quantization="fp8-channel"`):
-`quantize_rows` turns activations x [M, K] into e4m3 with ONE float32 scale per row (max |x| of the row /
-448); the weight is e4m3 [N, K] with one scale per output channel [N, 1] (a per-tensor scale broadcast).
+`quantize_rows` (kernels/fp8_row_quant.py) turns activations x [M, K] into e4m3 with ONE float32 scale per
+row (max |x| of the row / 448), or the op producing x already did (kernels/fp8_fused_quant.py:
+`fp8_rowwise_linear_quantized` takes those rows); the weight is e4m3 [N, K] with one scale per output
+channel [N, 1] (a per-tensor scale broadcast).
 Since no scale varies along K, the K loop is a plain `acc = tl.dot(a, b, acc)` chain (the tensor-core
 pipeline runs asynchronously, like torch._scaled_mm rowwise) and both scales multiply the fp32 accumulator
 once in the epilogue. The math is `fp8_linear_ref` with a single K-group (kernels/reference/fp8_matmul.py).
@@ -20,10 +22,12 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.fp8_matmul import grouped_tile, round_to_e4m3
-from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
+from deepinfer.kernels.fp8_matmul import grouped_tile
+from deepinfer.kernels.fp8_row_quant import quantize_rows
+from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
-__all__ = ["quantize_rows", "fp8_rowwise_linear", "rowwise_tile_config", "ROWWISE_CANDIDATES"]
+__all__ = ["quantize_rows", "fp8_rowwise_linear", "fp8_rowwise_linear_quantized", "rowwise_tile_config",
+           "ROWWISE_CANDIDATES"]
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, imprecise: int = 0) -> dict[str, int]:
@@ -56,55 +60,6 @@ def rowwise_tile_config(m: int | None, n: int, k: int) -> dict[str, int]:
     if m <= 256:
         return _cfg(128, 128, 128, 8, 4)
     return _cfg(128, 256, 128, 8, 3)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
-    # Two passes over the row (max, then quantize): each element's arithmetic is the one-row reference's,
-    # so the bits depend on neither ROWS nor BLOCK.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < M
-    amax = tl.zeros((ROWS,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        mask = row_ok[:, None] & (offs[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    # The scale as fp8_matmul's quantizer computes it (`/` by the constant): the bits torch's own
-    # division by a scalar gives on the GPU (it multiplies by the reciprocal), which an IEEE division
-    # does not always reproduce (the H200 test found rows that differed in the last bit).
-    scale = tl.maximum(amax, EPS) / QMAX
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        mask = row_ok[:, None] & (offs[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        # IEEE division, as in fp8_matmul's quantizer: the approximate one moves boundary quotients.
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX))
-        tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :],
-                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(s_ptr + rows, scale, mask=row_ok)
-
-
-# Rows per quantization program: one for decode-sized M (more programs in flight), four above; the bits
-# do not depend on it.
-_QUANT_ROWS_SMALL_M, _QUANT_ROWS = 1, 4
-_QUANT_BLOCK = 1024
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]); bitwise `quantize_act_ref(x, group=K)`."""
-    check_tensor("x", x, ndim=2)
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
-        block = min(_QUANT_BLOCK, triton.next_power_of_2(k))
-        rows = _QUANT_ROWS_SMALL_M if m <= 256 else _QUANT_ROWS
-        _row_quant_kernel[(triton.cdiv(m, rows),)](
-            x, q, s, m, k, x.stride(0), q.stride(0),
-            ROWS=rows, BLOCK=block, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=4)
-    return q, s
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -186,3 +141,21 @@ def fp8_rowwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     xq, xs = quantize_rows(x)
     cfg = config or rowwise_tile_config(None if invariant else m, weight.shape[0], k)
     return rowwise_matmul(xq, xs, weight, weight_scale, bias, x.dtype, cfg)
+
+
+def fp8_rowwise_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+                                 weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                 out_dtype: torch.dtype, invariant: bool = True,
+                                 config: dict[str, int] | None = None) -> torch.Tensor:
+    """`fp8_rowwise_linear` on rows the producing op already quantized: xq e4m3 [M, K] with float32 row
+    scales xs [M, 1] (`quantize_rows`' contract, e.g. from kernels/fp8_fused_quant.py) -> [M, N] in
+    `out_dtype`; bitwise `fp8_rowwise_linear(x)` when (xq, xs) == quantize_rows(x)."""
+    check_tensor("xq", xq, ndim=2, dtypes=(FP8_DTYPE,))
+    check_tensor("xs", xs, ndim=2, dtypes=(torch.float32,), device=xq.device, last_dim_contiguous=False)
+    m, k = xq.shape
+    if tuple(xs.shape) != (m, 1) or (m > 1 and xs.stride(0) != 1):
+        raise ValueError(f"xs: shape {tuple(xs.shape)} strides {tuple(xs.stride())}, expected ({m}, 1) "
+                         "contiguous (one scale per row)")
+    _check_rowwise_weight(weight, weight_scale, k, xq.device)
+    cfg = config or rowwise_tile_config(None if invariant else m, weight.shape[0], k)
+    return rowwise_matmul(xq, xs, weight, weight_scale, bias, out_dtype, cfg)

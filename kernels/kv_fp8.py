@@ -1,7 +1,8 @@
 """Write this step's keys/values into an FP8 (e4m3) paged KV cache, quantized per kv head.
 
 Bitwise `store_kv_fp8_ref`: x / scale[h] in float32 (IEEE division), clamped to +-448, rounded to nearest
-even on the e4m3 grid. Row-local, so it never depends on the batch.
+even on the e4m3 grid. Row-local, so it never depends on the batch. `quantize_e4m3` is that arithmetic for
+any kernel writing this cache (kernels/rotary_store.py's FP8 form uses it), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ import triton
 import triton.language as tl
 from deepinfer.kernels.fp8_matmul import round_to_e4m3
 from deepinfer.kernels.reference.kv_fp8 import FP8_MAX, check_store_fp8_args
+
+
+@triton.jit
+def quantize_e4m3(x, scale, QMAX: tl.constexpr, out_ptr):
+    """float32 x / scale (broadcast) as out_ptr's e4m3 element type: clamped to +-QMAX, rounded to nearest
+    even. The division is div_rn: Triton's `/` on float32 is the approximate div.full.f32 on NVIDIA GPUs,
+    which can land an element on the other side of an e4m3 rounding boundary than torch's IEEE division."""
+    y = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX))
+    return y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -34,13 +44,10 @@ def _store_kv_fp8_kernel(
         vs = tl.load(v_scale_ptr + hs, mask=hs < NUM_HEADS, other=1.0)[:, None]
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0).to(tl.float32)
-        kq = round_to_e4m3(tl.minimum(tl.maximum(k / ks, -QMAX), QMAX))
-        vq = round_to_e4m3(tl.minimum(tl.maximum(v / vs, -QMAX), QMAX))
-        ty = k_cache_ptr.dtype.element_ty
         tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d,
-                 kq.to(ty, fp_downcast_rounding="rtne"), mask=mask)
+                 quantize_e4m3(k, ks, QMAX, k_cache_ptr), mask=mask)
         tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
-                 vq.to(ty, fp_downcast_rounding="rtne"), mask=mask)
+                 quantize_e4m3(v, vs, QMAX, v_cache_ptr), mask=mask)
 
 
 def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -98,6 +98,10 @@ def rms_norm(
             h, float(eps),
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, SINGLE_CHUNK=block >= h, BLOCK=block,
-            num_warps=num_warps,
+            # No FMA contraction: with it the compiler fuses some squares of the sum into its adds and not
+            # others, differently in any kernel around the same lines (kernels/fp8_fused_quant.py's norm
+            # must give these bits); without it the sum is the source's products and adds in the layout's
+            # order. Nothing else here has a multiply feeding an add.
+            num_warps=num_warps, enable_fp_fusion=False,
         )
     return (out, res_out) if residual is not None else out

@@ -54,6 +54,9 @@ def blocks_that_fit(spec: KVCacheLayout, cfg: CacheConfig, device: torch.device)
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if device.type == "cuda":
+        # Memory the caching allocator holds but no tensor uses (e.g. the bf16 weights a quantize-at-load
+        # just replaced) counts as used in mem_get_info: hand it back first, or the cache loses it.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free
         budget = int(total * cfg.gpu_memory_utilization) - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES

@@ -6,7 +6,6 @@ import torch
 from deepinfer.engine.layers.linear import Linear
 from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
-from deepinfer.engine.layers.rotary import apply_rotary
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
@@ -46,12 +45,13 @@ class PagedSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         k_cache, v_cache = kv_cache
+        # One op for rotate q, rotate k, store k/v (quantized per kv head into an e4m3 cache): the CUDA
+        # backends fuse it into one kernel launch.
         if k_cache.dtype == torch.float8_e4m3fn:  # kv_cache_dtype="fp8"
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            self.ops.store_kv_fp8(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            q = self.ops.rotary_store_kv_fp8(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                             self.k_scale, self.v_scale)
             out = self.ops.attention_fp8(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         else:
-            # One op for rotate q, rotate k, store k/v: the CUDA backends fuse it into one kernel launch.
             q = self.ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

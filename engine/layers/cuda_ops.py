@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.ops import Ops, QuantizedActivation
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.v4_attention import KeySource
 
@@ -25,6 +25,9 @@ def _kernels():
 
 # Set to 1 to run rotary + KV store unfused (rotate q, rotate k, store_kv) on CUDA, e.g. to A/B the kernel.
 DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
+# Set to 1 to let FP8 rowwise linears quantize their bf16 input themselves instead of RMSNorm / SiLU-and-mul
+# handing them quantized rows (kernels/fp8_fused_quant.py; the same bits either way), e.g. to A/B it.
+DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
 
 
 class _CudaOps(Ops):
@@ -35,6 +38,7 @@ class _CudaOps(Ops):
          self._store_kv, self._rotary_store) = _kernels()
         # Read once per backend (not per call), so one engine never mixes the two paths.
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
+        self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
@@ -72,6 +76,19 @@ class _CudaOps(Ops):
         from deepinfer.kernels.kv_fp8 import store_kv_fp8
 
         store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rotary_store_kv_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                            v_scale: torch.Tensor) -> torch.Tensor:
+        # One launch for an e4m3 cache too (the kernel's KV_FP8 form); switched off: rotary, then the Triton
+        # store_kv_fp8, with the same bits.
+        if not self.fused_rope or cos.dtype != q.dtype:
+            return super().rotary_store_kv_fp8(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                                               k_scale, v_scale)
+        rows = cos.shape[0]
+        return self._rotary_store.rotary_store_kv(q, k, v, cos.reshape(rows, -1), sin.reshape(rows, -1),
+                                                  k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
@@ -121,11 +138,17 @@ class _CudaOps(Ops):
         return fused_moe(x.contiguous(), ids.contiguous(), weights.to(torch.float32).contiguous(),
                          gate_up, down, invariant=self.deterministic, swiglu_limit=swiglu_limit)
 
-    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    def fp8_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
         # FP8 GEMMs, the batch-invariant tile config in deterministic mode. One K-group spanning K (per-
         # channel / per-tensor weights): the rowwise kernel, scales applied once after the K loop
-        # (kernels/fp8_rowwise.py); else the block-scaled kernel (kernels/fp8_matmul.py).
+        # (kernels/fp8_rowwise.py), on rows the producing op may have quantized already; else the block-
+        # scaled kernel (kernels/fp8_matmul.py).
+        if isinstance(x, QuantizedActivation):
+            from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear_quantized
+
+            return fp8_rowwise_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
+                                                out_dtype=x.dtype, invariant=self.deterministic)
         if group >= x.shape[1] and weight_scale.shape[1] == 1:
             from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear
 
@@ -135,6 +158,25 @@ class _CudaOps(Ops):
 
         return fp8_linear(x.contiguous(), weight, weight_scale, bias, group=group,
                           invariant=self.deterministic)
+
+    def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
+        from deepinfer.kernels.fp8_row_quant import quantize_rows
+
+        return QuantizedActivation(*quantize_rows(x.contiguous()), x.dtype)
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[QuantizedActivation, torch.Tensor]:
+        # One kernel: residual add, RMSNorm, row max of the rounded output, e4m3 cast; bitwise rms_norm
+        # then quantize_rows (kernels/fp8_fused_quant.py).
+        from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
+
+        q, s, summed = rms_norm_quant(x, weight, eps, residual=residual)
+        return QuantizedActivation(q, s, x.dtype), (x if summed is None else summed)
+
+    def silu_and_mul_quant(self, x: torch.Tensor) -> QuantizedActivation:
+        from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+
+        return QuantizedActivation(*silu_and_mul_quant(x), x.dtype)
 
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,

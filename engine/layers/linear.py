@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.ops import Ops, QuantizedActivation
 from torch import nn
 
 
@@ -25,7 +25,18 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """Whether the op producing this layer's input should hand it a QuantizedActivation (rows already
+        quantized, one scale per row): an FP8 layer with one scale per output channel (the rowwise GEMM)
+        on a backend that fuses the activation quantization into the producing op."""
+        return (self.weight.dtype == torch.float8_e4m3fn and self.ops.fuses_fp8_row_quant
+                and self.fp8_scale.shape[1] == 1 and self.fp8_group >= self.weight.shape[1])
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x [M, in_features] (a QuantizedActivation only where `takes_quantized_rows`) -> [M, out]."""
         if self.weight.dtype == torch.float8_e4m3fn:  # FP8 layer: models/quant/fp8_loading.py converted it
             return self.ops.fp8_linear(x, self.weight, self.fp8_scale, self.bias, self.fp8_group)
+        if isinstance(x, QuantizedActivation):
+            raise ValueError("Linear: a QuantizedActivation input needs an FP8 layer (takes_quantized_rows)")
         return self.ops.linear(x, self.weight, self.bias)

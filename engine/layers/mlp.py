@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from deepinfer.engine.layers.linear import Linear
-from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.ops import Ops, QuantizedActivation
 from torch import nn
 
 
@@ -18,5 +18,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, ops, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, ops, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]."""
+        h = self.gate_up_proj(x)
+        if self.down_proj.takes_quantized_rows:   # FP8 rowwise down_proj: SiLU-and-mul quantizes for it
+            return self.down_proj(self.ops.silu_and_mul_quant(h))
+        return self.down_proj(self.ops.silu_and_mul(h))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from deepinfer.engine.layers.linear import empty_param
-from deepinfer.engine.layers.ops import Ops
+from deepinfer.engine.layers.ops import Ops, QuantizedActivation
 from torch import nn
 
 
@@ -21,7 +21,10 @@ class RMSNorm(nn.Module):
         shape = x.shape
         return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the pre-norm transformer's residual step."""
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, quantize: bool = False
+                         ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm transformer's residual step. `quantize`: the
+        norm's output quantized per row for an FP8 rowwise linear (the consumer's `takes_quantized_rows`)."""
+        if quantize:
+            return self.ops.add_rms_norm_quant(x, residual, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -8,11 +8,12 @@ and whether its prefix came from the cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.attention import paged_attention_ref
-from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref
+from deepinfer.kernels.reference.fp8_matmul import fp8_linear_quantized_ref, fp8_linear_ref, quantize_act_ref
 from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
 from deepinfer.kernels.reference.rotary_store import rotate_half_ref
@@ -21,22 +22,66 @@ from deepinfer.kernels.reference.v4_attention import KeySource, gather_keys, sin
 from deepinfer.kernels.reference.v4_indexer import indexer_scores_ref
 
 
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """Activation rows already quantized for an FP8 rowwise linear (one scale per row, the contract of
+    kernels/fp8_row_quant.py's `quantize_rows`): what RMSNorm or SiLU-and-mul hands over instead of its
+    output when the next linear is FP8 rowwise, so that linear skips its own quantization pass."""
+
+    values: torch.Tensor  # e4m3 [M, K]: rtne(x / scale) clamped to +-448, x the rows it stands for
+    scales: torch.Tensor  # float32 [M, 1] contiguous: max(max |x| of the row, 1e-10) / 448
+    dtype: torch.dtype    # dtype of the rows it stands for: the linear's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """[M, K], the shape of the rows it stands for (callers read the row count from it)."""
+        return self.values.shape
+
+
 class Ops:
     """Base class: shared op implementations; backends override what they compute differently."""
 
     name = "base"
     deterministic = False
+    # Whether the ops producing an FP8 rowwise linear's input (`add_rms_norm_quant`, `silu_and_mul_quant`)
+    # should quantize it (layers ask `Linear.takes_quantized_rows`). Off here: the linear quantizes its
+    # own input, with the same bits. CUDA backends fuse the quantization into the producing kernel.
+    fuses_fp8_row_quant = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
         raise NotImplementedError
 
-    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    def fp8_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
         """x [M, K] @ dequant(e4m3 weight [N, K], row scales [N, K/group])^T (+ bias), x quantized per
-        token-group of `group`. Shared version: the plain-torch reference (row-local, so batch-invariant);
-        CUDA backends run the Triton FP8 GEMM."""
+        token-group of `group` (or already, per row: a QuantizedActivation, for weights with one scale per
+        output channel). Shared version: the plain-torch reference (row-local, so batch-invariant); CUDA
+        backends run the Triton FP8 GEMM."""
+        if isinstance(x, QuantizedActivation):
+            if weight_scale.shape[1] != 1:
+                raise ValueError(f"fp8_linear: rows quantized per row need one weight scale per output "
+                                 f"channel, got weight_scale {tuple(weight_scale.shape)}")
+            return fp8_linear_quantized_ref(x.values, x.scales, weight, weight_scale, bias, x.shape[1],
+                                            x.dtype)
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
+
+    def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
+        """x [M, K] quantized with one scale per row (the rowwise FP8 GEMM's activation format)."""
+        q, s = quantize_act_ref(x, max(x.shape[1], 1))
+        return QuantizedActivation(q, s, x.dtype)
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[QuantizedActivation, torch.Tensor]:
+        """`add_rms_norm` with the normed rows quantized per row for an FP8 rowwise linear. Shared
+        version: the unfused composition; CUDA backends: one kernel, the same bits."""
+        out, summed = self.add_rms_norm(x, residual, weight, eps)
+        return self.quantize_rows(out), summed
+
+    def silu_and_mul_quant(self, x: torch.Tensor) -> QuantizedActivation:
+        """`silu_and_mul` with the result quantized per row for an FP8 rowwise linear. Shared version:
+        the unfused composition; CUDA backends: one kernel, the same bits."""
+        return self.quantize_rows(self.silu_and_mul(x))
 
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
@@ -85,6 +130,20 @@ class Ops:
                      slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """`store_kv` into e4m3 caches, each kv head divided by its float32 scale [Hkv] first."""
         store_kv_fp8_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def rotary_store_kv_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                            v_scale: torch.Tensor) -> torch.Tensor:
+        """`rotary_store_kv` into e4m3 caches: q and k rotated in the activation dtype, then `store_kv_fp8`
+        of the rotated k and v with the per-kv-head scales; returns the rotated q.
+
+        Shared version: the unfused composition. CUDA backends run one fused kernel with the same bits
+        (kernels/rotary_store.py, KV_FP8).
+        """
+        q, k = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
+        self.store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return q
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,

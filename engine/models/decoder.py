@@ -20,6 +20,7 @@ from deepinfer.engine.layers.rotary import RotaryEmbedding
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer
 from deepinfer.engine.models.weights import init_dummy_weights, load_hf_weights
+from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
 
@@ -42,6 +43,17 @@ class DecoderLayer(PreNormDecoderLayer):
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """PreNormDecoderLayer's step, where each norm hands an FP8 rowwise qkv_proj / gate_up_proj its
+        output already quantized (one kernel on CUDA, the same bits as quantizing in the linear)."""
+        h, residual = self.input_layernorm.forward_residual(x, residual,
+                                                            self.self_attn.qkv_proj.takes_quantized_rows)
+        h = self.self_attn(h, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual,
+                                                                     self.mlp.gate_up_proj.takes_quantized_rows)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):

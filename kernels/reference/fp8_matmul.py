@@ -40,10 +40,17 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
                    bias: torch.Tensor | None = None, group: int = 128) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K])^T (+ bias) with x quantized per token-group."""
     xq, xs = quantize_act_ref(x, group)
+    return fp8_linear_quantized_ref(xq, xs, weight, weight_scale, bias, group, x.dtype)
+
+
+def fp8_linear_quantized_ref(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+                             weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_linear_ref` on activations already quantized per token-group (xq e4m3 [M, K], xs [M, K/group])."""
     out = dequantize_rows_ref(xq, xs, group) @ dequantize_rows_ref(weight, weight_scale, group).T
     if bias is not None:
         out = out + bias.to(torch.float64)
-    return out.to(x.dtype)
+    return out.to(out_dtype)
 
 
 def fp8_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

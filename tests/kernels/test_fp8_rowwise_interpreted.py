@@ -52,7 +52,7 @@ _SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2, "num_warps"
           "IMPRECISE_ACC": 0}
 
 
-@pytest.mark.parametrize("m,k", [(1, 40), (7, 1100), (18, 64), (300, 48)])   # 300: 4 rows per program
+@pytest.mark.parametrize("m,k", [(1, 40), (7, 1100), (18, 64), (300, 48)])   # 300: 32 rows per program
 def test_quantize_rows_bitwise_reference(rw, m, k):
     x = _x(m, k, seed=k)
     q, s = rw.quantize_rows(x)

@@ -1,0 +1,124 @@
+"""The row quantizer and the fused RMSNorm / SiLU-and-mul -> FP8 kernels on a real GPU (`-m gpu`, sm89+),
+real bf16 at the Llama-3.1-8B widths: bitwise the unfused kernels (rmsnorm.rms_norm / activation.
+silu_and_mul, then quantize_rows) and `quantize_act_ref`, every launch path, and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.kernels.reference.fp8_fused_quant import quantize_rows_ref
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+def _fp8_ok() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_fp8 = pytest.mark.skipif(not _fp8_ok(), reason="needs an FP8 GPU (compute capability >= 8.9)")
+
+
+def _same(got, want) -> None:
+    assert torch.equal(got[1], want[1]), "scales differ"
+    bad = (got[0].view(torch.uint8) != want[0].view(torch.uint8)).sum()
+    assert int(bad) == 0, f"{int(bad)} e4m3 codes differ"
+
+
+def _rows(m: int, k: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(m, k, device=CUDA, generator=gen) * scale
+    x[0] = 0.0
+    if m > 2:
+        x[1, ::7] = 3e4                         # large values: the scale's range edge
+        x[2] *= 1e-3
+    return x.to(torch.bfloat16)
+
+
+@needs_fp8
+@pytest.mark.parametrize("m,k,chunk", [(1, 4096, None), (37, 14336, None), (256, 14336, None),
+                                       (2048, 4096, None), (300, 18944, None), (5, 40000, None),
+                                       (64, 14336, 2048), (3, 100, None)])
+def test_quantize_rows_bitwise_reference(m, k, chunk):
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+
+    x = _rows(m, k, seed=k + m)
+    _same(quantize_rows(x, chunk=chunk), quantize_rows_ref(x))
+
+
+@needs_fp8
+@pytest.mark.parametrize("h", [4096, 3584, 2048, 896, 128, 100, 5120, 8192])   # > 4096: the unfused path
+@pytest.mark.parametrize("m", [1, 37, 256, 2048])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_quant_is_unfused_kernels_bitwise(h, m, with_residual):
+    from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+    from deepinfer.kernels.rmsnorm import rms_norm
+
+    x = _rows(m, h, seed=h + m, scale=4.0)
+    r = _rows(m, h, seed=h + m + 1).flip(0).contiguous() if with_residual else None
+    gen = torch.Generator(device=CUDA).manual_seed(h)
+    w = (1 + 0.3 * torch.randn(h, device=CUDA, generator=gen)).to(torch.bfloat16)
+    q, s, res = rms_norm_quant(x, w, 1e-5, residual=r)
+    if with_residual:
+        out, summed = rms_norm(x, w, 1e-5, residual=r)
+        assert torch.equal(res, summed)
+    else:
+        out = rms_norm(x, w, 1e-5)
+    _same((q, s), quantize_rows(out))
+    _same((q, s), quantize_rows_ref(out))
+
+
+@needs_fp8
+@pytest.mark.parametrize("i,chunk", [(14336, None), (4864, None), (18944, None), (40000, None),
+                                     (14336, 4096), (1408, None), (100, None)])
+@pytest.mark.parametrize("m", [1, 64, 256, 2048])
+def test_silu_and_mul_quant_is_unfused_kernels_bitwise(i, chunk, m):
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+
+    x = _rows(m, 2 * i, seed=i + m, scale=3.0)
+    got = silu_and_mul_quant(x, chunk=chunk)
+    unfused = silu_and_mul(x)
+    _same(got, quantize_rows(unfused))
+    _same(got, quantize_rows_ref(unfused))
+
+
+@needs_fp8
+def test_fused_kernels_rows_invariant_and_capture():
+    from deepinfer.kernels.fp8_fused_quant import rms_norm_quant, silu_and_mul_quant
+
+    x, r = _rows(512, 4096, seed=1), _rows(512, 4096, seed=2)
+    w = torch.rand(4096, device=CUDA).to(torch.bfloat16) + 0.5
+    g = _rows(512, 2 * 14336, seed=3)
+    full_n, full_a = rms_norm_quant(x, w, 1e-5, residual=r), silu_and_mul_quant(g)
+    perm = torch.randperm(512, device=CUDA)[:77]
+    part_n = rms_norm_quant(x[perm].contiguous(), w, 1e-5, residual=r[perm].contiguous())
+    _same(part_n[:2], (full_n[0][perm], full_n[1][perm]))
+    assert torch.equal(part_n[2], full_n[2][perm])
+    part_a = silu_and_mul_quant(g[perm].contiguous())
+    _same(part_a, (full_a[0][perm], full_a[1][perm]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap_n, cap_a = rms_norm_quant(x, w, 1e-5, residual=r), silu_and_mul_quant(g)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(cap_n[:2], full_n[:2])
+    _same(cap_a, full_a)
+
+
+@needs_fp8
+def test_rowwise_linear_on_fused_rows_is_the_quantizing_linear():
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+    from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear, fp8_rowwise_linear_quantized
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    w = (torch.randn(4096, 14336, device=CUDA, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.rand(4096, 1, device=CUDA, generator=gen) * 1e-3 + 1e-4
+    g = _rows(256, 2 * 14336, seed=5)
+    for invariant in (True, False):
+        fused = fp8_rowwise_linear_quantized(*silu_and_mul_quant(g), w, ws, out_dtype=torch.bfloat16,
+                                             invariant=invariant)
+        assert torch.equal(fused, fp8_rowwise_linear(silu_and_mul(g), w, ws, invariant=invariant))
