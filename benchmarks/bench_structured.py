@@ -20,9 +20,14 @@ part of it sampling had to wait for (`wait_ms_per_step`: not hidden behind the f
 work) and `overlapped_fraction` = 1 - wait / fill, as means and, per masked step, median / p90 / max
 (`per_step`: a few slow steps, e.g. the one where every row is in the initial state, can dominate the
 mean). `mask_cache` gives the exact mask cache's share of rows served by copy (a stored mask of the same
-token history, or a row of the same fill batch) instead of llguidance. `--prefetch-ab` adds an arm with
-the prefetch off (masks filled only when the step samples, the earlier behaviour; same outputs);
-`--mask-cache-ab` one with the mask cache off (every row computed by llguidance; same outputs).
+grammar state or token history, or a row of the same fill batch) instead of llguidance. `--prefetch-ab`
+adds an arm with the prefetch off (masks filled only when the step samples, the earlier behaviour; same
+outputs); `--mask-cache-ab` one with the mask cache off (every row computed by llguidance; same outputs);
+`--state-keys-ab` one with the cache keyed by token history only (no grammar-state keys, state_key.py; same
+outputs). The measured runs repeat the warm-up's requests, so by default they find the masks the earlier
+runs stored, also for states no other request would share (a number being written); `--cold-cache` empties
+the mask cache before every constrained run (each run then starts like the first batch of a job): the two
+bound the steady state of a job whose requests differ.
 
 `--device cpu` is a quick host-side check on a small machine: a 2-layer Llama of the 8B shape's vocabulary
 (the 128k BPE), float32, e.g. `--device cpu --num-prompts 16 --prompt-len 32 --max-tokens 32 --runs 3`.
@@ -95,6 +100,17 @@ def run(llm, prompts, params, rec: StepRecorder | None = None) -> dict:
     return {"seconds": dt, "output_tokens": n, "out_tok_s": n / dt, "outputs": outs}
 
 
+def set_arm(llm, arm: str, cold_cache: bool) -> None:
+    """The structured-output settings of one arm (all give the same outputs)."""
+    m = llm.structured
+    m.prefetch = arm != "json_schema_no_prefetch"
+    m.use_mask_cache(arm != "json_schema_no_mask_cache")
+    m.state_keys = arm != "json_schema_no_state_keys"  # read when a request's grammar state is made
+    if cold_cache and arm != "unconstrained":
+        m.slots.wait_idle()
+        m.mask_cache.clear()
+
+
 def mask_counters(llm) -> dict:
     return {**llm.structured.mask_stats(), "step_log_len": len(llm.structured.step_log)}
 
@@ -125,7 +141,9 @@ def mask_summary(llm, before: dict, after: dict) -> dict:
             "mask_cache": {"rows_filled": rows, "rows_by_copy": reused,
                            "hit_rate": reused / rows if rows else 0.0,
                            "hit_rate_of_lookups": reused / lookups if lookups else 0.0,
-                           "masks_kept": after["mask_cache_masks"], "trie_nodes": after["mask_cache_nodes"]}}
+                           "masks_kept": after["mask_cache_masks"],
+                           "state_masks_kept": after["mask_cache_state_masks"],
+                           "trie_nodes": after["mask_cache_nodes"]}}
 
 
 def mask_costs(llm, params, vocab: int, steps: int = 20) -> dict:
@@ -178,6 +196,10 @@ def main() -> None:
                     help="a third arm: JSON schema with the mask prefetch off (filled at sampling only)")
     ap.add_argument("--mask-cache-ab", action="store_true",
                     help="an arm: JSON schema with the exact mask cache off (every row from llguidance)")
+    ap.add_argument("--state-keys-ab", action="store_true",
+                    help="an arm: JSON schema with the mask cache keyed by token history only")
+    ap.add_argument("--cold-cache", action="store_true",
+                    help="empty the mask cache before every constrained run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more profiled pair: GPU busy fraction and host ms per decode step")
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
@@ -224,6 +246,8 @@ def main() -> None:
         arms["json_schema_no_prefetch"] = sp_json
     if args.mask_cache_ab:
         arms["json_schema_no_mask_cache"] = sp_json
+    if args.state_keys_ab:
+        arms["json_schema_no_state_keys"] = sp_json
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     steps: dict[str, dict] = {}
     masks: dict[str, list[dict]] = {a: [] for a in arms if a != "unconstrained"}
@@ -231,8 +255,7 @@ def main() -> None:
     for i in range(args.runs):
         for arm, params in arms.items():  # ABAB...: drift on a shared machine falls on both arms alike
             rec.reset()
-            llm.structured.prefetch = arm != "json_schema_no_prefetch"
-            llm.structured.use_mask_cache(arm != "json_schema_no_mask_cache")
+            set_arm(llm, arm, args.cold_cache)
             before = mask_counters(llm)
             r = run(llm, prompts, params, rec)
             steps[arm] = rec.host_summary()
@@ -246,8 +269,7 @@ def main() -> None:
             out.line({"arm": arm, "run": i, **row})
     finished = [o for o in cons["outputs"] if o.finish_reason == "stop"]
     valid = sum(output_satisfies("json_schema", SCHEMA, o.text) for o in finished)
-    llm.structured.prefetch = True
-    llm.structured.use_mask_cache(True)
+    set_arm(llm, "json_schema", False)
     costs = mask_costs(llm, sp_json, vocab)
     tps = {a: [r["out_tok_s"] for r in rs] for a, rs in runs.items()}
     pair_slowdowns = [1 - c / f for f, c in zip(tps["unconstrained"], tps["json_schema"])]
@@ -259,6 +281,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if not cpu else None,
         "cpu_threads": torch.get_num_threads(), "mask_threads": llm.structured.backend.threads,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": args.runs,
+        "cold_cache": args.cold_cache,
         "manager_build_s": build_s, "schema_compile_s": compile_s, "schema_cached_s": cached_s,
         "json_schema_first_pass_s": warm["seconds"],
         "unconstrained": {"seconds": spread([r["seconds"] for r in runs["unconstrained"]]),
@@ -285,6 +308,13 @@ def main() -> None:
             "steps": steps.get("json_schema_no_mask_cache"),
             "mask_cache_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
                                                                       [r["out_tok_s"] for r in off])])}
+    if args.state_keys_ab:
+        off = runs["json_schema_no_state_keys"]
+        result["json_schema_no_state_keys"] = {
+            "out_tok_s": spread([r["out_tok_s"] for r in off]),
+            "steps": steps.get("json_schema_no_state_keys"),
+            "state_keys_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
+                                                                      [r["out_tok_s"] for r in off])])}
     if args.prefetch_ab:
         off = runs["json_schema_no_prefetch"]
         result["json_schema_no_prefetch"] = {
@@ -295,8 +325,7 @@ def main() -> None:
         prof: dict[str, dict] = {}
         for arm, params in arms.items():
             rec.reset()
-            llm.structured.prefetch = arm != "json_schema_no_prefetch"
-            llm.structured.use_mask_cache(arm != "json_schema_no_mask_cache")
+            set_arm(llm, arm, args.cold_cache)
             with rec.profiled():
                 run(llm, prompts, params, rec)
             prof[arm] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}

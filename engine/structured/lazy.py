@@ -9,6 +9,8 @@ calls are no-ops (or None) until a constrained request has made the manager exis
 `DEEPINFER_MASK_PREFETCH=0` turns off filling a request's next mask as soon as its grammar advances (masks
 are then filled when the step samples; outputs are the same): for measuring what the prefetch hides.
 `DEEPINFER_MASK_CACHE=0` turns off the exact mask cache by token history (mask_cache.py; same masks).
+`DEEPINFER_MASK_STATE_KEYS=0` keeps JSON Schemas on token histories instead of grammar-state keys
+(state_key.py; same masks).
 `DEEPINFER_MASK_THREADS=N` sets llguidance's mask-filling threads (default: half the CPUs, at most 16), for
 sweeping it on a host: its executor does not scale with threads on every machine.
 """
@@ -58,6 +60,7 @@ class LazyStructuredOutputs:
                 max_model_len=self._max_model_len,
                 prefetch=os.environ.get("DEEPINFER_MASK_PREFETCH", "1") != "0",
                 mask_cache_size=0 if os.environ.get("DEEPINFER_MASK_CACHE", "1") == "0" else 2048,
+                state_keys=os.environ.get("DEEPINFER_MASK_STATE_KEYS", "1") != "0",
             )
         return self._manager
 

@@ -15,11 +15,13 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import llguidance
 import torch
 from deepinfer.engine.structured.backend import GrammarSpec
 from deepinfer.engine.structured.normalize import choice_lark, prepare_json_schema, prepare_regex
+from deepinfer.engine.structured.state_key import plan_of
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -68,6 +70,7 @@ class LLGuidanceGrammar:
     spec: GrammarSpec
     template: llguidance.LLMatcher
     build: Callable[[], llguidance.LLMatcher] | None = None   # builds one more replica (None: no more)
+    state_plan: Any = None  # JSON Schemas with free strings: the state-key plan (state_key.py), else None
     max_replicas: int = 1
     replicas: list[llguidance.LLMatcher] = field(default_factory=list)
     handed_out: int = 0     # matchers made so far
@@ -154,12 +157,14 @@ class LLGuidanceBackend:
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
         L = llguidance.LLMatcher
+        plan = None
         if spec.kind == "json_schema":
             schema = prepare_json_schema(spec.value)
             if schema is False:
                 raise ValueError("json_schema: the schema `false` accepts no value at all")
             if schema is True:
                 schema = {}  # llguidance takes options only on object schemas; `true` is `{}`
+            plan = plan_of(schema)  # before llguidance sees the dict (it may add its options to it)
             grammar = L.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         elif spec.kind == "regex":
             grammar = L.grammar_from_regex(prepare_regex(spec.value))
@@ -169,7 +174,7 @@ class LLGuidanceBackend:
         if template.is_error():
             raise ValueError(_library_message(spec.kind, template.get_error()))
         return LLGuidanceGrammar(spec, template, build=lambda: L(self.tokenizer, grammar, log_level=0),
-                                 max_replicas=self.threads)
+                                 max_replicas=self.threads, state_plan=plan)
 
     def new_matcher(self, grammar: LLGuidanceGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(grammar.next_template().deep_copy(), self.words)

@@ -20,7 +20,9 @@ on the first constrained request):
 
 Rows on the same token history share one fill (mask_cache.py: an exact cache of the masks of shared
 histories, e.g. every request's first mask and the schema's forced prefix); `mask_cache_size=0` turns it
-off (same masks, for measuring it and for the tests that compare the two).
+off (same masks, for measuring it and for the tests that compare the two). JSON Schemas with free strings
+are cached by grammar state instead (state_key.py: e.g. "12 characters into the 2nd topic"), which also
+serves rows whose histories differ; `state_keys=False` keeps them on token histories (same masks).
 
 Preemption / recompute and prefix-cache hits need nothing here: a matcher advances only on tokens the
 request sampled (once each), never on recomputed or cached positions, so its state always equals "the
@@ -56,6 +58,7 @@ from deepinfer.engine.structured.llguidance_backend import (
 )
 from deepinfer.engine.structured.mask_cache import HistoryNode, MaskCache
 from deepinfer.engine.structured.mask_slots import MaskSlots
+from deepinfer.engine.structured.state_key import StateKey, char_counts
 from deepinfer.engine.structured.steering import (
     MIN_STEER_TOKENS,
     BudgetSteering,
@@ -74,9 +77,10 @@ class GrammarState:
     slot: its row in the manager's slot buffer (-1: none yet); fill: the fill of that row from the
     matcher's current state (None: not queued since the last token); steered: the row was narrowed by
     budget steering after that fill (a second masking of the same state refills it first); node: its token
-    history in the manager's mask cache (None: not cached, e.g. a bare state or a matcher in error)."""
+    history in the manager's mask cache (None: not cached, e.g. a bare state or a matcher in error); skey: its
+    grammar-state key instead (state_key.py; grammars with a state-key plan), None otherwise."""
 
-    __slots__ = ("matcher", "spec", "steer_below", "lex", "slot", "fill", "steered", "node")
+    __slots__ = ("matcher", "spec", "steer_below", "lex", "slot", "fill", "steered", "node", "skey")
 
     def __init__(self, matcher: LLGuidanceMatcher, spec: GrammarSpec, steer_below: int) -> None:
         self.matcher = matcher
@@ -88,6 +92,11 @@ class GrammarState:
         self.fill: Future | None = None
         self.steered = False
         self.node: HistoryNode | None = None
+        self.skey: StateKey | None = None
+
+    def cache_key(self) -> HistoryNode | tuple | None:
+        """What the mask cache knows this state by: its state key, else its token-history node."""
+        return self.skey.key if self.skey is not None else self.node
 
 
 def _tokenizer_json(tokenizer: Any) -> str:
@@ -136,13 +145,14 @@ class StructuredOutputManager:
     max_model_len: when given, the remaining budget also counts the model-length limit.
     prefetch: queue a request's next mask as soon as its grammar advances (off: only when the step samples;
     same masks, for measuring what the prefetch hides). mask_cache_size: masks of shared token histories
-    kept (mask_cache.py; 0: off, every row computed by llguidance).
+    kept (mask_cache.py; 0: off, every row computed by llguidance). state_keys: cache JSON Schemas with free
+    strings by grammar state (state_key.py; off: by token history; same masks).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  max_threads: int | None = None, *, steering: bool = True, cache_size: int = 1024,
                  max_model_len: int | None = None, prefetch: bool = True,
-                 mask_cache_size: int = 2048) -> None:
+                 mask_cache_size: int = 2048, state_keys: bool = True) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
         if max_threads is not None and max_threads < 1:
@@ -155,9 +165,11 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.prefetch = prefetch
+        self.state_keys = state_keys
         self.backend = LLGuidanceBackend(_tokenizer_json(tokenizer), vocab_size, self.eos_token_ids,
                                          max_threads)
         self._token_bytes = self.backend.token_bytes()
+        self._token_chars: list[int] | None = None  # char_counts(token bytes), built with the first StateKey
         self.steering = (BudgetSteering(self._token_bytes, self.eos_token_ids, vocab_size)
                          if steering else None)
         self._cache: OrderedDict[str, LLGuidanceGrammar | str] = OrderedDict()
@@ -214,7 +226,12 @@ class StructuredOutputManager:
         threshold = steering_threshold(params.max_tokens)
         if threshold is None:  # no max_tokens: only the model-length budget (if known) can run short
             threshold = MIN_STEER_TOKENS
-        return GrammarState(self.backend.new_matcher(grammar), spec, threshold)
+        state = GrammarState(self.backend.new_matcher(grammar), spec, threshold)
+        if self.state_keys and grammar.state_plan is not None and self.mask_cache.enabled:
+            if self._token_chars is None:
+                self._token_chars = char_counts(self._token_bytes)
+            state.skey = StateKey(grammar.state_plan, spec.key)
+        return state
 
     # ---- per step --------------------------------------------------------------------------------
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
@@ -260,7 +277,7 @@ class StructuredOutputManager:
             if st.slot < 0:
                 st.slot = self.slots.acquire()
             if st.fill is None:
-                st.fill = self.slots.submit(st.slot, st.matcher, st.node)
+                st.fill = self.slots.submit(st.slot, st.matcher, st.cache_key())
                 st.steered = False
             rows.append((i, st, self.remaining_budget(seq)))
         return StepMasks(self, rows) if rows else None
@@ -297,6 +314,11 @@ class StructuredOutputManager:
             state.fill.exception()  # never advance a matcher under a fill in flight
             state.fill = None
         ok = state.matcher.accept_token(token_id)
+        if state.skey is not None:
+            if ok and 0 <= token_id < len(self._token_bytes):
+                state.skey.feed_token(self._token_bytes[token_id], self._token_chars[token_id])
+            else:
+                state.skey.lost = True  # off the state keys for good: computed from now on
         if state.node is not None:  # a rejected token puts the matcher in error: off the history trie
             state.node = self.mask_cache.step(state.node, token_id if ok else None)
         if ok and state.lex is not None and 0 <= token_id < len(self._token_bytes):
@@ -319,9 +341,10 @@ class StructuredOutputManager:
             seq.grammar = self.new_matcher(seq.params)
             state = seq.grammar
             state.slot = self.slots.acquire()
-            state.node = self.mask_cache.start(state.spec.key)
+            if state.skey is None:  # keyed by state: the token-history trie is not needed
+                state.node = self.mask_cache.start(state.spec.key)
             if self.prefetch:  # the first mask is known now: fill it while the prompt is prefilled
-                state.fill = self.slots.submit(state.slot, state.matcher, state.node)
+                state.fill = self.slots.submit(state.slot, state.matcher, state.cache_key())
 
     def advance(self, seq: EngineSequence, token_id: int) -> bool:
         """Advance `seq`'s grammar on its newly sampled token; True when the grammar is now complete.
@@ -337,7 +360,7 @@ class StructuredOutputManager:
         if self.prefetch and not done and state.slot >= 0 and (remaining is None or remaining > 0):
             # The request samples again: fill its next mask now, while the engine goes on (the overlapped
             # loop is applying this step's tokens with the next forward already on the device).
-            state.fill = self.slots.submit(state.slot, state.matcher, state.node)
+            state.fill = self.slots.submit(state.slot, state.matcher, state.cache_key())
             state.steered = False
         return done
 

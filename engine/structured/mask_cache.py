@@ -21,12 +21,21 @@ the engine thread (`step`, `leave`) and read and filled by the mask worker (`loo
 
 Exactness needs every move of a cached matcher to go through `step`: the manager only ever advances one by
 `accept` (the engine never rolls a matcher back; a caller that did would have to take it off the trie).
+
+Grammars with a state key (state_key.py: JSON Schemas with free strings) are keyed by grammar state instead
+of token history: the key is a hashable value, not a trie node, and its masks live in the same LRU. A state
+mask is kept once its key has been computed before (the bounded `_seen` set) or shared within a fill batch,
+so the unique states (a number being written) do not push out the recurring ones.
+
+Masks are rows of one preallocated table (`table`, [max_masks, words], made on the first store), so the mask
+worker copies all of a batch's hits into their slots with one gather (`lookup_rows`), not row by row.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -34,7 +43,7 @@ import numpy as np
 class HistoryNode:
     """One token history of one grammar: where its requests stand and, once shared, its mask."""
 
-    __slots__ = ("key", "parent", "token", "children", "live", "hits", "mask", "attached")
+    __slots__ = ("key", "parent", "token", "children", "live", "hits", "row", "attached")
 
     def __init__(self, key: str, parent: HistoryNode | None, token: int) -> None:
         self.key = key
@@ -43,12 +52,16 @@ class HistoryNode:
         self.children: dict[int, HistoryNode] = {}
         self.live = 0        # requests whose history is exactly this node now
         self.hits = 0        # requests that ever reached it (>= 2: its mask is worth keeping)
-        self.mask: np.ndarray | None = None
+        self.row = -1        # its mask's row in MaskCache.table (-1: none)
         self.attached = True  # False once pruned: a fill still in flight for it must not store
 
 
+CacheKey = HistoryNode | tuple  # a trie node, or a state key (state_key.py)
+
+
 class MaskCache:
-    """Per-grammar tries of token histories with the masks of shared histories (see the module docstring).
+    """Per-grammar tries of token histories and state keys, with the masks of shared ones (see the module
+    docstring).
 
     words: int32 words per mask row. max_masks: masks kept at most (0: the cache is off, `start` returns
     None). max_nodes: trie nodes at most over all grammars (past it requests go on without a node).
@@ -64,11 +77,16 @@ class MaskCache:
         self.max_nodes = max_nodes
         self._lock = threading.Lock()
         self._roots: dict[str, HistoryNode] = {}
-        self._lru: OrderedDict[int, HistoryNode] = OrderedDict()  # id(node) -> node holding a mask
+        self.table: np.ndarray | None = None          # [max_masks, words] once a mask is stored
+        self._free_rows: list[int] = []
+        # id(node) -> node holding a mask, or state key -> itself; least recently used first
+        self._lru: OrderedDict[int | tuple, HistoryNode | tuple] = OrderedDict()
+        self._states: dict[tuple, int] = {}            # state key -> its mask's table row
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # state keys computed once (bounded)
         self.nodes = 0
         self.hits = 0      # rows filled from a stored mask
-        self.shared = 0    # rows copied from another row of the same fill batch (same node, no mask yet)
-        self.lookups = 0   # rows that had a node when their fill ran
+        self.shared = 0    # rows copied from another row of the same fill batch (same key, no mask yet)
+        self.lookups = 0   # rows that had a key when their fill ran
 
     @property
     def enabled(self) -> bool:
@@ -112,44 +130,100 @@ class MaskCache:
         """The request standing on `node` is gone (finished or aborted)."""
         self.step(node, None)
 
-    def lookup(self, node: HistoryNode) -> np.ndarray | None:
-        """The stored mask of `node` (do not modify it), or None; counts the lookup."""
+    def lookup(self, node: CacheKey) -> np.ndarray | None:
+        """The stored mask of `node` (a view: do not modify it), or None; counts one row's lookup."""
+        row = self.lookup_rows([node], [1])[0]
+        return None if row < 0 else self.table[row]
+
+    def lookup_rows(self, keys: Sequence[CacheKey], rows: Sequence[int]) -> list[int]:
+        """The table row of each key's stored mask, or -1. `rows[i]`: the rows of the batch on keys[i]; a
+        found key counts them all as hits, a missing one counts one lookup (its copies: `count_shared`).
+        Rows stay valid until the next `store` or `clear` (the mask worker is the only one storing)."""
+        out = []
         with self._lock:
-            self.lookups += 1
-            mask = node.mask
-            if mask is not None:
-                self.hits += 1
-                self._lru.move_to_end(id(node))
-            return mask
+            for key, n in zip(keys, rows):
+                if isinstance(key, HistoryNode):
+                    row, lru = key.row, id(key)
+                else:
+                    row, lru = self._states.get(key, -1), key
+                if row >= 0:
+                    self.lookups += n
+                    self.hits += n
+                    self._lru.move_to_end(lru)
+                else:
+                    self.lookups += 1
+                out.append(row)
+        return out
 
     def count_shared(self, rows: int) -> None:
         with self._lock:
             self.lookups += rows
             self.shared += rows
 
-    def store(self, node: HistoryNode, row: np.ndarray, shared: bool = False) -> None:
+    def store(self, node: CacheKey, row: np.ndarray, shared: bool = False) -> None:
         """Keep a copy of `row`, the freshly computed mask of `node`, if the node is shared (`shared`: other
-        rows of the same fill stand on it too)."""
+        rows of the same fill stand on it too; a state key: also when it was computed before)."""
         with self._lock:
-            if node.mask is not None or not node.attached or not (shared or node.hits >= 2):
+            if not isinstance(node, HistoryNode):
+                self._store_state(node, row, shared)
                 return
-            node.mask = np.array(row, dtype=np.int32, copy=True)
+            if node.row >= 0 or not node.attached or not (shared or node.hits >= 2):
+                return
+            node.row = self._put(row)
             self._lru[id(node)] = node
-            while len(self._lru) > self.max_masks:
-                _, old = self._lru.popitem(last=False)
-                old.mask = None
-                self._prune(old)
+
+    def clear(self) -> None:
+        """Drop every stored mask and the record of computed state keys (the trie keeps its live paths):
+        for measuring a cold cache; masks are the same either way."""
+        with self._lock:
+            for old in list(self._lru.values()):
+                if isinstance(old, HistoryNode):
+                    old.row = -1
+                    self._prune(old)
+            self._lru.clear()
+            self._states.clear()
+            self._seen.clear()
+            self._free_rows = list(range(self.max_masks - 1, -1, -1)) if self.table is not None else []
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"mask_cache_lookups": self.lookups, "mask_cache_hits": self.hits,
                     "mask_cache_shared": self.shared, "mask_cache_masks": len(self._lru),
-                    "mask_cache_nodes": self.nodes}
+                    "mask_cache_state_masks": len(self._states), "mask_cache_nodes": self.nodes}
 
     # ---- internal (lock held) ---------------------------------------------------------------------------
+    def _put(self, mask: np.ndarray) -> int:
+        """A table row holding a copy of `mask` (the least recently used mask gives its row when full)."""
+        if self.table is None:
+            self.table = np.empty((self.max_masks, self.words), dtype=np.int32)
+            self._free_rows = list(range(self.max_masks - 1, -1, -1))
+        if not self._free_rows:
+            _, old = self._lru.popitem(last=False)
+            if isinstance(old, HistoryNode):
+                self._free_rows.append(old.row)
+                old.row = -1
+                self._prune(old)
+            else:
+                self._free_rows.append(self._states.pop(old))
+        row = self._free_rows.pop()
+        self.table[row] = mask
+        return row
+
+    def _store_state(self, key: tuple, row: np.ndarray, shared: bool) -> None:
+        if key in self._states:
+            return
+        if not shared and key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > 4 * self.max_masks:
+                self._seen.popitem(last=False)
+            return
+        self._seen.pop(key, None)
+        self._states[key] = self._put(row)
+        self._lru[key] = key
+
     def _prune(self, node: HistoryNode | None) -> None:
         while node is not None and node.attached and node.live == 0 and not node.children \
-                and node.mask is None:
+                and node.row < 0:
             node.attached = False
             self.nodes -= 1
             parent = node.parent

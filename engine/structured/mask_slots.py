@@ -17,8 +17,9 @@ A slot is reused only after its fill has finished (release is deferred to the fi
 worker waits for the last host->device copy of the buffer (`copied`) before it writes into it again, so a
 copy still in flight on the device never reads a half-written row.
 
-With a mask cache (mask_cache.py), a row whose token history has a stored mask is a copy of it, and rows
-of one batch on the same history are filled once and copied; only the rest go to llguidance. Per batch
+With a mask cache (mask_cache.py), a row whose token history (or, for grammars with a state key,
+state_key.py, whose grammar state) has a stored mask is a copy of it, and rows of one batch on the same
+history or state are filled once and copied; only the rest go to llguidance. Per batch
 the worker records its fill time and rows (`batches`), so the benchmark reports the per-step distribution.
 """
 
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from deepinfer.engine.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
     from deepinfer.engine.structured.mask_cache import HistoryNode, MaskCache
 
-# (slot, matcher, its history node or None, the Future resolved once the row is written)
-_Queued = tuple[int, "LLGuidanceMatcher", "HistoryNode | None", Future]
+# (slot, matcher, its cache key: a history node, a state key (state_key.py) or None, the Future resolved
+# once the row is written)
+_Queued = tuple[int, "LLGuidanceMatcher", "HistoryNode | tuple | None", Future]
 
 
 class MaskSlots:
@@ -94,9 +96,10 @@ class MaskSlots:
         fill.add_done_callback(give_back)
 
     # ---- fills ----------------------------------------------------------------------------------------
-    def submit(self, slot: int, matcher: LLGuidanceMatcher, node: HistoryNode | None = None) -> Future:
+    def submit(self, slot: int, matcher: LLGuidanceMatcher,
+               node: HistoryNode | tuple | None = None) -> Future:
         """Queue the fill of `slot` from `matcher`'s current state (`node`: its token history in the mask
-        cache, None when it has none); the Future resolves when the row is written."""
+        cache or its state key, None when it has none); the Future resolves when the row is written."""
         fut: Future = Future()
         with self._lock:
             self._queue.append((slot, matcher, node, fut))
@@ -139,34 +142,42 @@ class MaskSlots:
                     fut.set_exception(error)
 
     def _fill(self, batch: list[_Queued]) -> None:
-        """Write the queued rows: stored masks and same-history duplicates by copy, the rest by llguidance."""
+        """Write the queued rows: stored masks and same-key duplicates by copy, the rest by llguidance."""
         cache, buf = self.cache, self.buffer
         if cache is None:
             self.backend.fill_bitmasks([(slot, m) for slot, m, _, _ in batch], buf)
             return
         view = buf.numpy()
         compute: list[tuple[int, LLGuidanceMatcher]] = []
-        # id(node) -> (node, the slot computed for it, the slots copied from that one)
-        groups: dict[int, tuple[HistoryNode, int, list[int]]] = {}
+        # id(node) or the state key -> [node or key, its first slot, its matcher, the other slots on it]
+        groups: dict[int | tuple, list] = {}
         for slot, m, node, _ in batch:
             if node is None:
                 compute.append((slot, m))
                 continue
-            group = groups.get(id(node))
-            if group is not None:
-                group[2].append(slot)
-                continue
-            mask = cache.lookup(node)
-            if mask is not None:
-                view[slot] = mask
-                continue
-            groups[id(node)] = (node, slot, [])
-            compute.append((slot, m))
+            group = groups.get(node if isinstance(node, tuple) else id(node))
+            if group is None:
+                groups[node if isinstance(node, tuple) else id(node)] = [node, slot, m, []]
+            else:
+                group[3].append(slot)
+        found = cache.lookup_rows([g[0] for g in groups.values()], [1 + len(g[3]) for g in groups.values()])
+        dst: list[int] = []
+        src: list[int] = []
+        missing = []
+        for group, row in zip(groups.values(), found):
+            if row >= 0:
+                dst.append(group[1])
+                dst.extend(group[3])
+                src.extend([row] * (1 + len(group[3])))
+            else:
+                compute.append((group[1], group[2]))
+                missing.append(group)
+        if dst:
+            view[dst] = cache.table[src]  # one gather for every hit of the batch
         self.backend.fill_bitmasks(compute, buf)
-        for node, slot, copies in groups.values():
-            for other in copies:
-                view[other] = view[slot]
+        for node, slot, _, copies in missing:
             if copies:
+                view[copies] = view[slot]
                 cache.count_shared(len(copies))
             cache.store(node, view[slot], shared=bool(copies))
 

@@ -1,0 +1,216 @@
+"""Grammar-state keys for JSON Schemas (structured/state_key.py): rows with equal keys have bit-identical
+llguidance masks (random walks over many schemas, histories that differ), the tracker's abstraction on
+hand-made byte streams, what the plan reads as free strings, and the manager's masks with state keys on are
+the fresh fills and pick the same tokens as with them off."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from deepinfer.engine import SamplingParams
+from deepinfer.engine.models.demo import write_tokenizer_files
+from deepinfer.engine.structured.backend import GrammarSpec
+from deepinfer.engine.structured.manager import StructuredOutputManager
+from deepinfer.engine.structured.mask_cache import MaskCache
+from deepinfer.engine.structured.normalize import prepare_json_schema
+from deepinfer.engine.structured.state_key import (
+    MAX_KEY_BYTES,
+    FreeString,
+    ObjectNode,
+    StateKey,
+    char_counts,
+    plan_of,
+)
+from tokenizers import Tokenizer
+
+from tests.support.spec_catalog import JSON_SCHEMA_CASES
+
+EOS_IDS = (1, 3)
+_S = {"type": "string"}
+SCHEMAS = {
+    "bench_like": {"type": "object", "properties": {
+        "label": {"enum": ["positive", "negative"]},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "topics": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "summary": {"type": "string", "maxLength": 12}},
+        "required": ["label", "confidence", "topics", "summary"], "additionalProperties": False},
+    "nested_and_verbatim": {"type": "object", "properties": {
+        "who": {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 5},
+                                                  "tag": {"type": "string", "pattern": "^[a-c]{1,3}$"}},
+                "required": ["name", "tag"], "additionalProperties": False},
+        "alt": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+        "notes": {"type": "array", "items": {"type": "object", "properties": {"t": {**_S, "maxLength": 4}},
+                                             "required": ["t"], "additionalProperties": False},
+                  "maxItems": 2}},
+        "required": ["who", "alt", "notes"], "additionalProperties": False},
+    "open_object_unbounded": {"type": "object", "properties": {"a": {**_S, "minLength": 1}, "b": _S},
+                              "required": ["a"]},
+    "optional_keys": {"type": "object", "properties": {"x": {**_S, "maxLength": 3}, "n": {"type": "integer"},
+                                                       "y": {**_S, "maxLength": 4}},
+                      "additionalProperties": False},
+    **{c.name: c.spec for c in JSON_SCHEMA_CASES if plan_of(prepare_json_schema(c.spec)) is not None},
+}
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    d = tmp_path_factory.mktemp("state_key_tok")
+    write_tokenizer_files(d)
+    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size() + 40
+    m = StructuredOutputManager(d / "tokenizer.json", vocab, EOS_IDS, max_threads=1, steering=False,
+                                mask_cache_size=256)
+    yield m
+    m.close()
+
+
+def _allowed(row: torch.Tensor, vocab: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab])
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_equal_keys_have_identical_fresh_masks(manager, name):
+    """Random walks, half of them preferring single bytes (characters split across tokens, escapes):
+    whenever a row's key was met before, its fresh llguidance mask equals the first one bit for bit, and
+    keys must meet across different token histories (else this would test nothing)."""
+    spec = GrammarSpec.of("json_schema", SCHEMAS[name])
+    grammar = manager.compile(spec)
+    assert grammar.state_plan is not None
+    chars = char_counts(manager._token_bytes)
+    rng = random.Random(name)
+    be, vocab = manager.backend, manager.vocab_size
+    single = [t for t, b in enumerate(manager._token_bytes) if b is not None and len(b) == 1]
+    row = torch.zeros(1, be.words, dtype=torch.int32)
+    seen: dict[tuple, tuple[torch.Tensor, tuple[int, ...]]] = {}
+    cross = 0
+    for walk in range(24):
+        m, key, hist = be.new_matcher(grammar), StateKey(grammar.state_plan, spec.key), ()
+        for _ in range(48):
+            if m.is_terminated() or key.key is None:
+                break
+            be.fill_bitmasks([(0, m)], row)
+            k = key.key
+            if k in seen:
+                first, first_hist = seen[k]
+                assert torch.equal(first, row[0]), (name, k, hist, first_hist)
+                cross += first_hist != hist
+            else:
+                seen[k] = (row[0].clone(), hist)
+            allowed = _allowed(row[0], vocab)
+            pick = [t for t in allowed if t in single] if walk % 2 and rng.random() < 0.7 else []
+            tok = int(rng.choice(pick or list(allowed)))
+            assert m.accept_token(tok)
+            key.feed_token(manager._token_bytes[tok], chars[tok])
+            hist += (tok,)
+    assert cross >= 10, (name, cross)
+
+
+def _key(plan, *pieces: bytes) -> tuple | None:
+    k = StateKey(plan, "g")
+    for p in pieces:
+        k.feed(p)
+    return k.key
+
+
+def test_the_abstraction_on_byte_streams():
+    plan = plan_of(prepare_json_schema(SCHEMAS["bench_like"]))
+    head = b'{"label": "positive", "confidence": 0.25, "topics": ["'
+    # Inside a free string only the count matters, however the bytes were split; completed values collapse.
+    assert _key(plan, head, b"ab") == _key(plan, head.replace(b"positive", b"negative"), b"x", b"y")
+    assert _key(plan, head, b"ab") != _key(plan, head, b"abc")
+    assert _key(plan, head, "é".encode()) == _key(plan, head, b"e")                  # one character each
+    assert _key(plan, head, "é".encode()[:1]) != _key(plan, head, "ж".encode()[:1])  # pending bytes kept
+    assert _key(plan, head, b"a\\n") != _key(plan, head, b"a\\t")                  # from `\` on: verbatim
+    assert _key(plan, head, b'ab", "') == _key(plan, head, b'abcdef", "')          # closed: one marker
+    # Outside free strings bytes are kept until the value completes: an open number or enum is verbatim.
+    assert _key(plan, b'{"label": "positive", "confidence": 0.2') != _key(
+        plan, b'{"label": "positive", "confidence": 0.3')
+    assert _key(plan, b'{"label": "pos') != _key(plan, b'{"label": "neg')
+    # A key past MAX_KEY_BYTES is not served until a completed value shortens it again.
+    long = b'{"label": "' + b"p" * MAX_KEY_BYTES
+    assert _key(plan, long) is None and _key(plan, long, b'", "confidence": 1') is not None
+    # A byte JSON cannot have there loses the key for good.
+    assert _key(plan, b'{"label"x') is None
+    assert _key(plan, head, b"a\x01") is None
+    # Values inside a container the plan does not read (an anyOf) stay verbatim.
+    nested = plan_of(prepare_json_schema(SCHEMAS["nested_and_verbatim"]))
+    pre = b'{"who": {"name": "ab", "tag": "a"}, "alt": "'
+    assert _key(nested, pre, b"x") != _key(nested, pre, b"y")
+    assert _key(nested, pre, b'x", "notes": [') == _key(nested, pre, b'y", "notes": [')
+
+
+def test_plan_reads_only_plain_strings_on_plain_paths():
+    assert plan_of(prepare_json_schema({"type": "string", "pattern": "^a+$"})) is None
+    assert plan_of(prepare_json_schema({"anyOf": [{"type": "string"}, {"type": "null"}]})) is None
+    assert plan_of({"type": "object", "properties": {"a": _S}, "x-guidance": {"lenient": True}}) is None
+    p = plan_of(prepare_json_schema({"type": "object", "properties": {
+        "a": {**_S, "maxLength": 3, "title": "t"}, "b": {**_S, "format": "date"}, 'q"k': _S}}))
+    assert isinstance(p, ObjectNode) and isinstance(p.props[b"a"], FreeString)
+    assert p.props[b"b"] is None and isinstance(p.props[b'q\\"k'], FreeString)
+    assert p.props[b"a"].max_len == 3 and p.props[b"a"].min_len == 0
+
+
+def test_state_masks_kept_from_the_second_computation_in_a_bounded_lru():
+    cache = MaskCache(words=2, max_masks=2)
+    a, b, c = ("g", b"a"), ("g", b"b"), ("g", b"c")
+    cache.store(a, np.array([1, 1], dtype=np.int32))
+    assert cache.lookup(a) is None                                  # computed once: only remembered
+    cache.store(a, np.array([1, 1], dtype=np.int32))
+    cache.store(b, np.array([2, 2], dtype=np.int32), shared=True)   # shared in its batch: kept at once
+    assert cache.lookup(a).tolist() == [1, 1] and cache.lookup(b).tolist() == [2, 2]
+    cache.store(c, np.array([3, 3], dtype=np.int32), shared=True)   # full: the least recently used goes
+    assert cache.lookup(a) is None and min(cache.lookup_rows([b, c], [2, 1])) >= 0
+    assert cache.stats()["mask_cache_state_masks"] == 2
+    cache.clear()
+    assert cache.lookup(b) is None and cache.stats()["mask_cache_masks"] == 0
+
+
+def _seq(manager, params):
+    s = SimpleNamespace(params=params, grammar=None, num_output_tokens=0, num_tokens=5)
+    manager.add(s)
+    return s
+
+
+def _engine_walk(manager, seed: int) -> tuple[list[list[int]], int]:
+    """Rows through masks_for/advance as the engine drives them; each step every slot must equal a fresh
+    fill of its matcher. Returns the tokens picked per row and the rows served by copy."""
+    rng = random.Random(seed)
+    before = manager.mask_stats()
+    params = SamplingParams(max_tokens=40, json_schema=SCHEMAS["bench_like"])
+    seqs = [_seq(manager, params) for _ in range(10)]
+    fresh = manager.allocate_bitmask(1)
+    picked: list[list[int]] = [[] for _ in seqs]
+    for _ in range(40):
+        alive = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None]
+        if not alive:
+            break
+        manager.masks_for([s for _, s in alive]).wait()
+        for i, s in alive:
+            manager.backend.fill_bitmasks([(0, s.grammar.matcher)], fresh)
+            assert torch.equal(manager.slots.buffer[s.grammar.slot], fresh[0])
+            tok = int(rng.choice(list(_allowed(fresh[0], manager.vocab_size))))
+            picked[i].append(tok)
+            s.num_output_tokens += 1
+            s.num_tokens += 1
+            if manager.advance(s, tok) or s.num_output_tokens >= 40:
+                manager.free(s)
+    for s in seqs:
+        manager.free(s)
+    manager.slots.wait_idle()
+    after = manager.mask_stats()
+    return picked, after["mask_cache_hits"] - before["mask_cache_hits"]
+
+
+def test_manager_masks_with_state_keys_are_fresh_fills_and_pick_the_same_tokens(manager):
+    on, hits_on = _engine_walk(manager, seed=5)
+    manager.state_keys = False
+    try:
+        off, _ = _engine_walk(manager, seed=5)
+    finally:
+        manager.state_keys = True
+    assert on == off
+    assert hits_on >= 20, hits_on
+    assert manager.mask_cache.stats()["mask_cache_state_masks"] > 0
