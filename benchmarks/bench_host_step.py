@@ -139,6 +139,8 @@ class PhaseTimer:
         setattr(obj, name, wrapped)
 
     def _wrap_schedule(self, sched: Any) -> None:
+        from deepinfer.engine.runner.cuda_graphs import is_decode_step
+
         inner = sched.schedule
         timer = self
 
@@ -147,8 +149,8 @@ class PhaseTimer:
             t0 = time.perf_counter_ns()
             out = inner()
             dt = time.perf_counter_ns() - t0
-            timer._decode = bool(out.scheduled) and all(s.num_new_tokens == 1 for s in out.scheduled)
-            timer._cur = {"schedule": dt, "rows": len(out.scheduled)}
+            timer._decode = is_decode_step(out)   # reads a decode batch without building its rows
+            timer._cur = {"schedule": dt, "rows": out.num_rows}
             timer._start = t0
             if timer._profiler is not None and timer._decode != timer._profiling:
                 (timer._profiler.enable if timer._decode else timer._profiler.disable)()

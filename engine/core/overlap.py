@@ -73,8 +73,8 @@ def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stat
                 _apply(core, inflight, on_finish)
                 inflight = None
             if fwd is not None:
-                sampled = out.sampled
-                alive = [seq for seq in (s.seq for s in sampled) if seq.status is not _FINISHED]
+                sampled = out.sampled_seqs()
+                alive = [seq for seq in sampled if seq.status is not _FINISHED]
                 stats.wasted_rows += len(sampled) - len(alive)
                 tokens = executor.sample(fwd, alive)
                 for seq in alive:
@@ -83,9 +83,9 @@ def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stat
     finally:
         # On an error, leave no placeholder behind in sequences the caller aborts.
         if inflight is not None:
-            for s in inflight.out.sampled:
-                if s.seq.has_pending_token:
-                    s.seq.output_token_ids.pop()
+            for seq in inflight.out.sampled_seqs():
+                if seq.has_pending_token:
+                    seq.output_token_ids.pop()
 
 
 def _apply(core: EngineCore, step: InFlight, on_finish: Callable[[Sequence], None]) -> None:

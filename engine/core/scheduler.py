@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: token budget, chunked prefill, prefix caching, preemption by recompute.
 
-One engine step is ``out = schedule()`` -> model runner -> ``update(out, runner_out)``; `update` finishes
-requests by the finish rules (core/finish.py).
+One engine step is ``out = schedule()`` -> model runner -> ``update(out, runner_out)``; `update`
+(core/scheduler_update.py) finishes requests by the finish rules (core/finish.py). The overlapped loop
+(core/overlap.py) calls ``commit_launch(out)`` at launch, before the step's tokens are known.
 
 Priority is FCFS: sequences are ordered by ``(seq.arrival, seq.seq_id)`` (lower first); `add()` must be
 called in that order. Each step:
@@ -26,15 +27,15 @@ from collections import deque
 
 from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
-from deepinfer.engine.core.finish import Finish, FinishRules, token_finish_reason
+from deepinfer.engine.core.finish import FinishRules, token_finish_reason
+from deepinfer.engine.core.scheduler_decode import schedule_decodes
 from deepinfer.engine.core.scheduler_output import (
     ModelRunnerOutput,
     ScheduledSequence,
     SchedulerOutput,
 )
+from deepinfer.engine.core.scheduler_update import apply_step
 from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-
-_RUNNING, _FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 
 def _priority(seq: Sequence) -> tuple[int, int]:
@@ -268,7 +269,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build the next step. Sequences appear at most once; never more than max_num_seqs of them and
-        never more than max_num_batched_tokens tokens. Empty when nothing can run."""
+        never more than max_num_batched_tokens tokens. Empty when nothing can run. A step of every running
+        sequence decoding in place comes from the fast path (core/scheduler_decode.py), in columns."""
+        out = schedule_decodes(self)
+        if out is not None:
+            return out
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -281,6 +286,13 @@ class Scheduler:
         """Overlapped loop: count the step's tokens as computed as soon as it is launched, so the next
         schedule, built before this step's results are read, continues after them. `update(out, ...,
         launched=True)` then applies the rest."""
+        d = out.decode
+        if d is not None:
+            for seq, start in zip(d.seqs, d.starts):
+                if seq.num_computed_tokens != start:
+                    self._advance(ScheduledSequence(seq, start, 1, True))   # raises
+                seq.num_computed_tokens = start + 1
+            return
         for s in out.scheduled:   # _advance, inlined: this runs once per running sequence per step
             seq = s.seq
             if seq.num_computed_tokens != s.start:
@@ -300,98 +312,9 @@ class Scheduler:
         """Apply a finished step: advance computed tokens, register full blocks for prefix caching,
         append sampled tokens (+ logprobs) and finish sequences by the finish rules. Returns the sequences
         finished by this step: those a token rule ended, then those only a text rule ended, each group
-        in batch order.
+        in batch order (core/scheduler_update.py).
 
         launched=True (overlapped loop): `commit_launch(out)` already advanced the computed tokens, the
         next step may already have been scheduled (and have preempted some of these sequences), and each
         sampled sequence holds a PENDING_TOKEN that the real token replaces."""
-        ids, tokens, logprobs, spec = (runner_out.seq_ids, runner_out.token_ids, runner_out.logprobs,
-                                       runner_out.spec_token_ids)
-        rows: dict[int, int] | None = None   # seq_id -> row; built only when rows are not in batch order
-        k = 0                                # the row expected next (rows come in batch order)
-        mark_computed, check = self.block_manager.mark_computed, self.finish_rules.check
-        finished: list[Sequence] = []
-        # Requests that only a text rule (stop string, grammar) ended release their blocks after the rest of
-        # the step, the others at once. The release order decides which blocks later requests get and which
-        # cached prefixes are evicted first; this is the order of the engine before the rules were merged
-        # here, so block tables and prefix-cache hits (num_cached_tokens) stay exactly as they were.
-        text_finished: list[tuple[Sequence, str]] = []
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.status is _FINISHED:     # finished from outside between schedule() and update()
-                continue
-            if not launched:
-                self._advance(s)
-            j = None
-            if s.sample:
-                sid = seq.seq_id
-                if k < len(ids) and ids[k] == sid:
-                    j = k
-                else:
-                    rows = rows if rows is not None else {x: i for i, x in enumerate(ids)}
-                    j = rows.get(sid)
-                    if j is None:
-                        raise RuntimeError(f"model runner returned no token for sampled seq {sid}")
-                k = j + 1
-                if spec and sid in spec:
-                    self._apply_verdict(seq, self._commit_verified(s, runner_out), finished, text_finished)
-                    continue
-                outs = seq.output_token_ids
-                if launched:
-                    if not outs or outs[-1] != PENDING_TOKEN:
-                        raise RuntimeError(f"seq {sid}: no pending token to resolve")
-                    outs[-1] = tokens[j]
-                else:
-                    outs.append(tokens[j])
-            # The token is resolved first: a launched step's successor may already count it as computed, and
-            # registering a full block hashes its tokens. A sequence preempted since launch holds no blocks.
-            if seq.status is _RUNNING:
-                mark_computed(seq)
-            if j is None:
-                continue
-            lp = logprobs[j] if j < len(logprobs) else None
-            if lp is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(lp)
-            verdict = check(seq)
-            if verdict is not None:
-                self._apply_verdict(seq, verdict, finished, text_finished)
-        for seq, reason in text_finished:
-            self.finish(seq, reason)
-            finished.append(seq)
-        return finished
-
-    def _apply_verdict(self, seq: Sequence, verdict: Finish | None, finished: list[Sequence],
-                       text_finished: list[tuple[Sequence, str]]) -> None:
-        if verdict is None:
-            return
-        if verdict.by_token_rule:
-            self.finish(seq, verdict.reason)
-            finished.append(seq)
-        else:
-            text_finished.append((seq, verdict.reason))
-
-    def _commit_verified(self, s: ScheduledSequence, runner_out: ModelRunnerOutput) -> Finish | None:
-        """An MTP verify step (engine/spec_decode/): append the step's tokens one by one, applying the finish
-        rules after each exactly as one-token steps would, and stop at the first that finishes the request.
-        Positions of rejected drafts (and of tokens after a finishing one) are not computed: their KV slots
-        stay allocated and are overwritten when those positions are computed, and a block is only ever
-        hashed from committed tokens."""
-        seq = s.seq
-        tokens = runner_out.spec_token_ids[seq.seq_id]
-        lps = runner_out.spec_logprobs[seq.seq_id] if runner_out.spec_logprobs else [None] * len(tokens)
-        seq.num_computed_tokens -= len(s.draft_token_ids) + 1 - len(tokens)
-        verdict = None
-        for token, lp in zip(tokens, lps, strict=True):
-            seq.output_token_ids.append(token)
-            if lp is not None:
-                if seq.logprobs is None:
-                    seq.logprobs = []
-                seq.logprobs.append(lp)
-            verdict = self.finish_rules.check(seq)
-            if verdict is not None:
-                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-                break
-        self.block_manager.mark_computed(seq)
-        return verdict
+        return apply_step(self, out, runner_out, launched)

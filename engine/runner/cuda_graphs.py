@@ -36,6 +36,8 @@ logger = logging.getLogger("deepinfer.engine")
 
 def is_decode_step(out: SchedulerOutput) -> bool:
     """True when every scheduled sequence computes exactly one token (and so samples it)."""
+    if out.decode is not None:   # the scheduler's decode batch (core/scheduler_decode.py)
+        return True
     return bool(out.scheduled) and all(s.num_new_tokens == 1 for s in out.scheduled)
 
 
@@ -126,22 +128,34 @@ class DecodeGraphs:
 
     def fits(self, out: SchedulerOutput) -> bool:
         """Whether a captured graph can run this step (pure decode, no more rows than the largest bucket)."""
-        return bool(self._graphs) and is_decode_step(out) and len(out.scheduled) <= self.buckets[-1]
+        return bool(self._graphs) and is_decode_step(out) and out.num_rows <= self.buckets[-1]
 
-    def stage(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]],
-              prev_ids: torch.Tensor | None) -> int:
+    def stage(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]] | None,
+              prev_ids: torch.Tensor | None, tokens: list[int] | None = None) -> int:
         """Copy decode step `out` into the static buffers, padded to its bucket; returns the bucket.
 
         pending_rows: (row, index into prev_ids) for rows whose input token is still on the device (the
-        overlapped loop's placeholders); prev_ids: the previous step's sampled ids (device int64)."""
-        sched = out.scheduled
-        n = len(sched)
+        overlapped loop's placeholders), None when every row i reads prev_ids[i]; prev_ids: the previous
+        step's sampled ids (device int64). tokens: each row's input token, when the caller has them."""
+        d = out.decode
+        if d is not None:
+            seqs, starts = d.seqs, d.starts
+            if tokens is None:
+                tokens = [q.output_token_ids[-1] for q in seqs]   # a decode batch computes its last token
+        else:
+            sched = out.scheduled
+            seqs, starts = [s.seq for s in sched], [s.start for s in sched]
+            if tokens is None:
+                tokens = [s.seq.token_at(s.start) for s in sched]
+        n = len(seqs)
         b = pick_bucket(self.buckets, n)
         if b is None:
             raise ValueError(f"decode step of {n} rows exceeds the largest bucket {self.buckets[-1]}")
-        tokens = [s.seq.token_at(s.start) for s in sched]
-        tables = [s.seq.block_table for s in sched]
-        self.buffers.load(self.stager.stage(tokens, [s.start for s in sched], tables, b))
+        self.buffers.load(self.stager.stage(tokens, starts, [q.block_table for q in seqs], b))
+        if pending_rows is None:
+            assert prev_ids is not None and prev_ids.shape[0] == n
+            self.buffers.input_ids[:n].copy_(prev_ids)
+            return b
         if pending_rows:
             assert prev_ids is not None
             if len(pending_rows) == n == prev_ids.shape[0] and all(d == r for d, r in pending_rows):
@@ -154,12 +168,12 @@ class DecodeGraphs:
             self.buffers.input_ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
         return b
 
-    def run(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]],
-            prev_ids: torch.Tensor | None) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]] | None,
+            prev_ids: torch.Tensor | None, tokens: list[int] | None = None) -> torch.Tensor:
         """Replay the graph for decode step `out` (arguments as for `stage`); returns the final hidden
         states [n, hidden] of its rows, a view of the graph's static output."""
-        b = self.stage(out, pending_rows, prev_ids)
-        n = len(out.scheduled)
+        b = self.stage(out, pending_rows, prev_ids, tokens)
+        n = out.num_rows
         graph, hidden = self._graphs[b]
         graph.replay()
         self.stats.replays += 1
@@ -176,10 +190,12 @@ class _EagerReplay:
 
     def __init__(self, graphs: DecodeGraphs, b: int) -> None:
         self.graphs, self.b = graphs, b
-        self.out = graphs.forward_eagerly(b)
+        # Views of the static buffers, like the metadata a captured graph holds: built once.
+        self.meta = graphs._meta(b)
+        self.out = graphs._forward(b, self.meta)
 
     def replay(self) -> None:
-        self.out.copy_(self.graphs.forward_eagerly(self.b))
+        self.out.copy_(self.graphs._forward(self.b, self.meta))
 
 
 def _index_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -121,38 +121,43 @@ class DecodeStager:
         if not 0 < n <= bucket <= max_batch:
             raise ValueError(f"{n} rows do not fit a bucket of {bucket} (at most {max_batch} rows)")
         bs, arr, held = self.block_size, self.tables, self._held
-        slots: list[int] = []
-        width = 1
-        for b in range(n):
-            t, p = tables[b], positions[b]
-            k = len(t)
-            if k > width:
-                width = k
-            if t != held[b]:
+        rows = range(n) if tables != held[:n] else ()   # steady decoding: no table changed since last step
+        for b in rows:
+            t, h = tables[b], held[b]
+            if t != h:
+                k, old = len(t), len(h)
                 if k > max_blocks:
                     raise ValueError(f"row {b}: {k} blocks exceed the {max_blocks} columns")
-                old = len(held[b])
+                if k == old + 1 and t[:old] == h:   # the table grew by a block: one element to write
+                    arr[b, old] = t[old]
+                    h.append(t[old])
+                    continue
                 arr[b, :k] = t
                 if old > k:
                     arr[b, k:old] = PAD_BLOCK
                 held[b] = list(t)
-            block = p // bs
-            if block >= k:
-                raise ValueError(f"row {b}: position {p} is past its {k} blocks")
-            slots.append(t[block] * bs + p % bs)
         for b in range(n, bucket):   # padding rows: clear what an earlier step's real row left there
             if held[b]:
                 arr[b, : len(held[b])] = PAD_BLOCK
                 held[b] = []
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        pos_real = np.array(positions, dtype=np.int64)
+        block = pos_real // bs
+        past = block >= lens
+        if past.any():
+            b = int(np.flatnonzero(past)[0])
+            raise ValueError(f"row {b}: position {positions[b]} is past its {len(tables[b])} blocks")
+        width = max(1, int(lens.max()))
         ids = np.full(bucket, PAD_TOKEN_ID, dtype=np.int64)
         pos = np.full(bucket, PAD_POSITION, dtype=np.int64)
         slot = np.full(bucket, PAD_SLOT, dtype=np.int64)
-        lens = np.full(bucket, PAD_SEQ_LEN, dtype=np.int32)
+        lens_out = np.full(bucket, PAD_SEQ_LEN, dtype=np.int32)
         ids[:n] = token_ids
-        pos[:n] = positions
-        slot[:n] = slots
-        lens[:n] = pos[:n] + 1
-        return PaddedDecode(n, bucket, ids, pos, slot, lens, arr[:bucket, :width].copy())
+        pos[:n] = pos_real
+        # Row b of `arr` holds table b now, so the slots are one gather.
+        slot[:n] = arr[np.arange(n), block].astype(np.int64) * bs + pos_real % bs
+        lens_out[:n] = pos_real + 1
+        return PaddedDecode(n, bucket, ids, pos, slot, lens_out, arr[:bucket, :width].copy())
 
 
 def decode_plan(num_seqs: int) -> np.ndarray:
@@ -168,37 +173,78 @@ def decode_plan(num_seqs: int) -> np.ndarray:
 class StaticDecodeBuffers:
     """Device buffers a captured decode graph reads; `load` copies one padded step into them.
 
+    input_ids, positions, slot_mapping, seq_lens and block_tables are views of one flat int32 device tensor,
+    mirrored by a host image: `load` writes a step into the image and moves it with one host -> device copy
+    (on CUDA through a pinned staging buffer of a ring of two, each reused only once its last copy ran), not
+    one small copy per tensor. The device buffers therefore always equal the image; parts a step does not
+    write keep what earlier steps wrote (valid ids, never read by that step: the module docstring says why).
     query_start_loc (0, 1, ..., B) and the attention plan never change and are written once here.
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
+        b, w = max_batch, max_blocks_per_seq
         self.max_batch = max_batch
-        self.input_ids = zeros(max_batch, dtype=torch.int64)
-        self.positions = zeros(max_batch, dtype=torch.int64)
-        self.slot_mapping = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
-        self.seq_lens = torch.full((max_batch,), PAD_SEQ_LEN, dtype=torch.int32, device=device)
+        # Layout in int32 units; the int64 fields start at even offsets (8-byte aligned views).
+        self._spans = {"input_ids": (0, 2 * b), "positions": (2 * b, 4 * b), "slot_mapping": (4 * b, 6 * b),
+                       "seq_lens": (6 * b, 7 * b), "block_tables": (7 * b, 7 * b + b * w)}
+        image = np.zeros(7 * b + b * w, dtype=np.int32)
+        self._image = image
+        self._host = {k: self._view_np(image, k, w) for k in self._spans}
+        self._host["slot_mapping"][:] = PAD_SLOT
+        self._host["seq_lens"][:] = PAD_SEQ_LEN
         # Zeros are valid block ids; stale columns past a row's table are never read (attention stops at
         # the row's own position), so `load` writes only the columns in use.
-        self.block_tables = zeros(max_batch, max_blocks_per_seq, dtype=torch.int32)
+        # On CPU the image itself is the device buffer: nothing to copy.
+        self._flat = torch.from_numpy(image) if device.type == "cpu" else torch.from_numpy(image).to(device)
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = (
+            self._view_t(k, w) for k in names)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.plan = torch.from_numpy(decode_plan(max_batch)).to(device)
+        self._cuda = self._flat.is_cuda
+        # (pinned staging, event recorded after its last copy, whether it was ever copied from)
+        self._ring: list[list] = []
+        self._next = 0
+
+    def _view_np(self, image: np.ndarray, key: str, width: int) -> np.ndarray:
+        lo, hi = self._spans[key]
+        v = image[lo:hi]
+        if key == "block_tables":
+            return v.reshape(self.max_batch, width)
+        return v.view(np.int64) if key in ("input_ids", "positions", "slot_mapping") else v
+
+    def _view_t(self, key: str, width: int) -> torch.Tensor:
+        lo, hi = self._spans[key]
+        v = self._flat[lo:hi]
+        if key == "block_tables":
+            return v.view(self.max_batch, width)
+        return v.view(torch.int64) if key in ("input_ids", "positions", "slot_mapping") else v
 
     def load(self, step: PaddedDecode) -> None:
         """Copy `step` into the first `step.bucket` rows (asynchronously, from pinned staging on CUDA)."""
         b = step.bucket
         width = step.block_tables.shape[1]
-        if b > self.max_batch or width > self.block_tables.shape[1]:
+        tables = self._host["block_tables"]
+        if b > self.max_batch or width > tables.shape[1]:
             raise ValueError(f"step of {b} rows x {width} blocks exceeds the buffers "
-                             f"({self.max_batch} x {self.block_tables.shape[1]})")
-        pairs = ((self.input_ids[:b], step.input_ids), (self.positions[:b], step.positions),
-                 (self.slot_mapping[:b], step.slot_mapping), (self.seq_lens[:b], step.seq_lens),
-                 (self.block_tables[:b, :width], step.block_tables))
-        for dst, src in pairs:
-            host = torch.from_numpy(src)
-            if dst.is_cuda:
-                # The caching host allocator keeps a pinned block alive until its copy has run.
-                host = host.pin_memory()
-            dst.copy_(host, non_blocking=True)
+                             f"({self.max_batch} x {tables.shape[1]})")
+        h = self._host
+        h["input_ids"][:b] = step.input_ids
+        h["positions"][:b] = step.positions
+        h["slot_mapping"][:b] = step.slot_mapping
+        h["seq_lens"][:b] = step.seq_lens
+        tables[:b, :width] = step.block_tables
+        if not self._cuda:
+            return   # the image is the buffer
+        if not self._ring:
+            self._ring = [[torch.empty(self._image.shape, dtype=torch.int32, pin_memory=True),
+                           torch.cuda.Event(), False] for _ in range(2)]
+        slot = self._ring[self._next % 2]
+        self._next += 1
+        staging, event, used = slot
+        if used:
+            event.synchronize()   # its copy of two steps ago: finished long since
+        staging.numpy()[:] = self._image
+        self._flat.copy_(staging, non_blocking=True)
+        event.record()
+        slot[2] = True

@@ -32,6 +32,7 @@ class SampledTokens:
     logprobs: list[dict[int, float] | None]   # per row (already on the host), None where not requested
     host_ids: torch.Tensor | None      # pinned int64 [S] the ids are being copied into (CUDA); None on CPU
     ready: torch.cuda.Event | None     # recorded after that copy
+    seqs: list[Sequence] | None = None   # the sequences of seq_ids, when known (do not modify the list)
 
     def row_of(self) -> dict[int, int]:
         """seq_id -> row in device_ids."""
@@ -42,7 +43,8 @@ class SampledTokens:
         if self.ready is not None:
             self.ready.synchronize()
         ids = self.host_ids if self.host_ids is not None else self.device_ids
-        return ModelRunnerOutput(seq_ids=list(self.seq_ids), token_ids=ids.tolist(), logprobs=self.logprobs)
+        return ModelRunnerOutput(seq_ids=list(self.seq_ids), token_ids=ids.tolist(), logprobs=self.logprobs,
+                                 seqs=self.seqs)
 
 
 @dataclass
@@ -102,8 +104,23 @@ class StepExecutor:
     def forward(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> ForwardPass:
         """Launch the model over `out`; placeholder inputs are read from `prev` on the device."""
         r = self.runner
-        pending = pending_inputs(out, prev)
         prev_ids = prev.device_ids if prev is not None else None
+        d = out.decode
+        if d is not None and self.graphs is not None and self.graphs.fits(out):
+            # A decode batch (scheduler_decode.py): each row's input is its last token. No prompt positions.
+            tokens = [q.output_token_ids[-1] for q in d.seqs]
+            n_pending = tokens.count(PENDING_TOKEN)
+            if n_pending == 0:
+                pending: list[tuple[int, int]] | None = []
+            elif n_pending == len(tokens) and prev is not None and (
+                    (prev.seqs is not None and prev.seqs == d.seqs)   # the same rows: no id pass
+                    or prev.seq_ids == [q.seq_id for q in d.seqs]):
+                pending = None   # steady decoding: row i reads row i of the previous step
+            else:
+                pending = pending_inputs(out, prev)
+            self.graph_steps += 1
+            return ForwardPass(out, self.graphs.run(out, pending, prev_ids, tokens))
+        pending = pending_inputs(out, prev)
         # Prompt positions of requests that report prompt logprobs need the full hidden states (eager).
         # (The cheap test first: most steps hold no such request.)
         if self.graphs is not None and self.graphs.fits(out) and (
@@ -129,11 +146,11 @@ class StepExecutor:
         caller started them (`masks_started`) while the forward ran."""
         r = self.runner
         if not seqs:
-            return SampledTokens([], torch.empty(0, dtype=torch.int64, device=r.device), [], None, None)
+            return SampledTokens([], torch.empty(0, dtype=torch.int64, device=r.device), [], None, None, [])
         hidden = fwd.hidden
-        sampled = fwd.out.sampled
+        sampled = fwd.out.sampled_seqs()
         if len(seqs) != len(sampled):
-            row = {s.seq.seq_id: i for i, s in enumerate(sampled)}
+            row = {q.seq_id: i for i, q in enumerate(sampled)}
             hidden = hidden.index_select(0, self._index([row[s.seq_id] for s in seqs]))
         if not masks_started and r.structured is not None:
             masks = r.structured.masks_for(seqs)
@@ -151,11 +168,11 @@ class StepExecutor:
             host.copy_(ids, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return SampledTokens([s.seq_id for s in seqs], ids, result.logprobs, host, ready)
+        return SampledTokens([s.seq_id for s in seqs], ids, result.logprobs, host, ready, seqs)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """The synchronous step: forward and sample every sampling sequence, then read the ids."""
-        seqs = [s.seq for s in out.sampled]
+        seqs = out.sampled_seqs()
         r = self.runner
         # Grammar masks are filled on CPU threads while the device runs the forward pass.
         masks = r.structured.masks_for(seqs) if r.structured is not None and seqs else None

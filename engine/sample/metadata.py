@@ -97,10 +97,17 @@ class SamplingMetadata:
         # them the defaults (empty) give the same metadata, at no per-row cost.
         tokens = any(_uses_penalty(p) for p in distinct)
         eos = any(p.min_tokens > 0 for p in distinct)
+        device = torch.device(device)
+        if len(distinct) == 1 and distinct[0].greedy and not eos and device.type != "cuda":
+            # Every row greedy, off the kernel path: seeds and positions are never read (no draw, no
+            # min_tokens blocking), so the per-row gathers are skipped.
+            seeds = positions = [0] * len(seqs)
+        else:
+            seeds, positions = [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
         return cls.from_params(
             params,
-            seeds=[s.seed for s in seqs],
-            positions=[len(s.output_token_ids) for s in seqs],
+            seeds=seeds,
+            positions=positions,
             vocab_size=vocab_size,
             device=device,
             prompt_token_ids=[s.prompt_token_ids for s in seqs] if tokens else None,

@@ -3,6 +3,8 @@ padded decode forward giving a real row the eager forward's bits (the graph itse
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -139,3 +141,56 @@ def test_graph_path_in_the_engine_gives_the_eager_outputs(model_dir):
         assert _view(llm.generate(prompts, params, use_tqdm=False)) == _view(eager)
     stats = llm.get_stats()
     assert stats["graph_steps"] > 0 and stats["cuda_graph_padded_rows"] > 0, stats
+
+
+def _steps(rng_seed: int) -> list:
+    rng = random.Random(rng_seed)
+    steps = []
+    for _ in range(12):
+        n = rng.randint(1, 6)
+        rows = []
+        for _ in range(n):
+            k = rng.randint(1, 3)
+            rows.append(DecodeRow(rng.randrange(0, 99), rng.randrange(0, 16 * k), [rng.randrange(0, 50)
+                                                                                   for _ in range(k)]))
+        steps.append(pad_decode(rows, bucket=rng.choice([b for b in (1, 2, 4, 8) if b >= n]), block_size=16))
+    return steps
+
+
+def _expected_after(steps: list, max_batch: int, width: int) -> dict[str, list]:
+    """What per-field copies of each step's rows leave in the buffers (the earlier load's semantics)."""
+    ids, pos, slots = [0] * max_batch, [0] * max_batch, [-1] * max_batch
+    lens, tables = [1] * max_batch, [[0] * width for _ in range(max_batch)]
+    for st in steps:
+        for b in range(st.bucket):
+            ids[b], pos[b], slots[b] = int(st.input_ids[b]), int(st.positions[b]), int(st.slot_mapping[b])
+            lens[b] = int(st.seq_lens[b])
+            w = st.block_tables.shape[1]
+            tables[b][:w] = st.block_tables[b].tolist()
+    return {"input_ids": ids, "positions": pos, "slot_mapping": slots, "seq_lens": lens,
+            "block_tables": tables}
+
+
+def _device_state(buf: StaticDecodeBuffers) -> dict[str, list]:
+    return {k: getattr(buf, k).cpu().tolist()
+            for k in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_load_equals_per_field_copies(seed):
+    steps = _steps(seed)
+    buf = StaticDecodeBuffers(max_batch=8, max_blocks_per_seq=3, device=torch.device("cpu"))
+    for i in range(len(steps)):
+        buf.load(steps[i])
+        assert _device_state(buf) == _expected_after(steps[: i + 1], 8, 3)
+        assert buf.input_ids.dtype == torch.int64 and buf.seq_lens.dtype == torch.int32
+
+
+@pytest.mark.gpu
+def test_packed_load_on_cuda_through_the_staging_ring():
+    steps = _steps(7)
+    buf = StaticDecodeBuffers(max_batch=8, max_blocks_per_seq=3, device=torch.device("cuda"))
+    for i in range(len(steps)):
+        buf.load(steps[i])
+        torch.cuda.synchronize()
+        assert _device_state(buf) == _expected_after(steps[: i + 1], 8, 3)
