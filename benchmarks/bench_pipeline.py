@@ -20,7 +20,12 @@ Repetitions: the engine arm warms up once then runs `--runs` times in one proces
 one unmeasured warm-up submit (page cache, kernel caches on disk), then `--runs` rounds in which the
 arms alternate (sorted, unsorted, sorted, ...), each into a fresh output path. Medians and min/max are
 reported. `--profile-steps` adds one profiled engine run: GPU busy fraction and host ms per decode step.
-`--out X` writes the summary to X and one JSON line per run to X.jsonl.
+`--out X` writes the summary to X and one JSON line per run to X.jsonl; each submit's stderr is kept
+beside X (X-<arm>-<run>.stderr). Each pipeline run's line carries the run summary's `startup` figures
+(seconds since the job's clock started: Ray up, engine actor started, model loaded, first token, first
+and last commit...; `driver_process_started_s` <= 0 is the process's start, interpreter and imports
+before the clock) and `exit_s`, the process's time after the clock (Ray shutdown, interpreter exit);
+the summary prints their medians per arm.
 """
 
 from __future__ import annotations
@@ -145,6 +150,12 @@ def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace, out: 
     return result
 
 
+STARTUP_KEYS = ("driver_process_started_s", "output_opened_s", "executor_requested_s", "executor_started_s",
+                "engine_process_started_s", "engine_actor_started_s", "model_loaded_s", "engine_ready_s",
+                "first_part_received_s", "first_token_s", "first_commit_s", "last_result_s", "wall_s",
+                "cuda_graph_capture_s", "engine_wait_s", "engine_generate_s", "engine_commit_s")
+
+
 def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argparse.Namespace,
                  tag: str) -> dict:
     import yaml
@@ -158,12 +169,35 @@ def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argpars
     proc = subprocess.run([sys.executable, "-m", "deepinfer.pipeline.cli", "submit", str(spec),
                            "--summary-json", str(summary_path)], capture_output=True, text=True)
     seconds = time.perf_counter() - t0
+    stderr_path = None
+    if args.out:
+        stderr_path = Path(f"{args.out}-{arm}-{tag}.stderr")
+        stderr_path.parent.mkdir(parents=True, exist_ok=True)
+        stderr_path.write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{arm}: deepinfer-job exited {proc.returncode}\n{proc.stderr[-4000:]}")
     s = json.loads(summary_path.read_text())
+    startup = s.get("startup") or {}
+    # After the job's clock (Ray shutdown, exit): the time before it is driver_process_started_s.
+    exit_s = seconds - s["wall_seconds"] + (startup.get("driver_process_started_s") or 0.0)
     return {"arm": arm, "seconds": seconds, "job_wall_seconds": s["wall_seconds"],
             "output_tokens": s["tokens"]["output"], "prompt_tokens": s["tokens"]["prompt"],
-            "output_tokens_per_s": s["tokens"]["output"] / seconds, "engines": s["engines"]}
+            "output_tokens_per_s": s["tokens"]["output"] / seconds, "engines": s["engines"],
+            "time_to_first_token_s": s.get("time_to_first_token_s"), "startup": startup,
+            "exit_s": exit_s, "stderr": str(stderr_path) if stderr_path else None}
+
+
+def startup_medians(runs: list[dict]) -> dict:
+    """The median of each startup figure over `runs` (the keys every run has), plus exit_s."""
+    import statistics
+
+    out = {}
+    for key in STARTUP_KEYS:
+        values = [r["startup"][key] for r in runs if r["startup"].get(key) is not None]
+        if len(values) == len(runs):
+            out[key] = statistics.median(values)
+    out["exit_s"] = statistics.median(r["exit_s"] for r in runs)
+    return out
 
 
 def main() -> None:
@@ -216,12 +250,16 @@ def main() -> None:
             results[arm] = {"arm": arm, "seconds": spread([r["seconds"] for r in rs]),
                             "job_wall_seconds": spread([r["job_wall_seconds"] for r in rs]),
                             "output_tokens": rs[0]["output_tokens"], "prompt_tokens": rs[0]["prompt_tokens"],
-                            "engines": rs[0]["engines"]}
+                            "engines": rs[0]["engines"], "startup": startup_medians(rs)}
     for r in results.values():
         r["output_tokens_per_s"] = spread([r["output_tokens"] / s for s in r["seconds"]["runs"]])
         print(f"{r['arm']:9s} median {r['seconds']['median']:8.1f} s (min {r['seconds']['min']:.1f}, max "
               f"{r['seconds']['max']:.1f})  {r['output_tokens']:9d} out tokens  "
               f"{r['output_tokens_per_s']['median']:10.0f} out tok/s", flush=True)
+    for r in results.values():
+        if "startup" in r:
+            print(f"{r['arm']:9s} startup medians (s since the job's clock started): "
+                  + ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in r["startup"].items()), flush=True)
     base = results.get("engine")
     if base is not None:
         for r in results.values():

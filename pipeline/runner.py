@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify_exception
@@ -37,6 +38,9 @@ from deepinfer.pipeline.stages.assemble import (
 from deepinfer.pipeline.stages.plan import StagePlan, resolve_model_dir
 from deepinfer.pipeline.stages.read import InputFile, list_input
 from deepinfer.pipeline.summary import RunStats, format_summary, utc_now, validate_summary
+
+if TYPE_CHECKING:
+    from deepinfer.pipeline.executors.ray_start import RayStarter
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,10 @@ def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
 
 
 def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: SubmitOptions,
-             target: CommitTarget | None = None) -> Iterator[pa.Table]:
+             target: CommitTarget | None = None, starter: RayStarter | None = None) -> Iterator[pa.Table]:
     """The spec's executor over `parts`; with `target` a Ray run's engine actors commit the parts
-    themselves (output/worker_commit.py) and return reports."""
+    themselves (output/worker_commit.py) and return reports. A Ray run takes its session from `starter`
+    (started with the run, shut down by run_job once the summary is out), else connects here."""
     if spec.runtime.executor == "local":
         from deepinfer.pipeline.executors.local import run_local
 
@@ -161,7 +166,7 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: Sub
         return
     from deepinfer.pipeline.executors.ray_data import EngineSettings, connect, run_ray
 
-    session = connect(options.address, options.verbose)
+    session = starter.session() if starter is not None else connect(options.address, options.verbose)
     from deepinfer.pipeline.cli.main import install_signal_handlers
 
     install_signal_handlers()  # ray.init replaced the SIGTERM handler (exit 15 with a stack dump)
@@ -170,7 +175,8 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: Sub
     try:
         yield from run_ray(plan, parts, session, settings, target)
     finally:
-        session.close()
+        if starter is None:
+            session.close()
 
 
 @dataclass
@@ -184,6 +190,7 @@ class RunContext:
     stats: RunStats
     budget: ErrorBudget
     progress: ProgressDisplay
+    starter: RayStarter | None = None
 
 
 def run_job(spec: JobSpec, options: SubmitOptions) -> int:
@@ -193,12 +200,27 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     with the code and its reason for `status`; KeyboardInterrupt and kills leave the job *interrupted*.
     """
     stats = RunStats(rows_total=0, parts_total=0)  # its clock starts before the model and input checks
+    starter, attaching = None, False
+    if spec.runtime.executor == "ray" and options.execute is None:  # Ray starts while the input is planned
+        from deepinfer.pipeline.executors.ray_start import start_early
+
+        starter, attaching = start_early(spec.output.path, spec.output.storage_options, options)
+    try:
+        return _check_and_run(spec, options, stats, starter, attaching)
+    finally:
+        if starter is not None:  # after the summary: the exit code is final, Ray's shutdown is not in it
+            starter.close()
+
+
+def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, starter: RayStarter | None,
+                   attaching: bool) -> int:
     model_dir = check_model(spec)
     if spec.runtime.executor == "ray":  # before anything is written: local paths on a multi-node cluster
-        from deepinfer.pipeline.executors.ray_data import check_cluster_storage
+        from deepinfer.pipeline.executors.ray_start import check_storage
 
-        check_cluster_storage(spec.input.path, spec.output.path, spec.runtime.shared_filesystem,
-                              options.address, options.verbose)
+        check_storage(spec.input.path, spec.output.path, spec.runtime.shared_filesystem, options.address,
+                      options.verbose, starter, attaching)
+    stats.clock.mark("model_checked")
     if spec.runtime.benchmark_stub_engine:
         print("[deepinfer] runtime.benchmark_stub_engine: PIPELINE BENCHMARK MODE, no model runs; every "
               "row's text is a placeholder (this output is fingerprinted as a stub job)", file=sys.stderr)
@@ -224,6 +246,7 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     parts = with_duplicates(tasks, duplicates) if duplicates else tasks
     record = duplicates if duplicates is not None and _recordable(duplicates) else None
     store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart, duplicates=record)
+    stats.clock.mark("output_opened")
     try:
         if store.complete:
             print(f"deepinfer-job: {spec.output.path} already holds this job, complete; nothing to do",
@@ -235,7 +258,7 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
         store.clear_failure()
         stats.rows_total, stats.parts_total = sum(p.num_rows for p in parts), len(parts)
         try:
-            code = _run_job(spec, options, store, parts, listing, stats)
+            code = _run_job(spec, options, store, parts, listing, stats, starter)
         except Exception as exc:
             code, message = classify_exception(exc)
             store.record_failure(code, failure_reason(code, exc), message, utc_now(), stats.parts_committed)
@@ -252,7 +275,7 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
 
 
 def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list[PartTask],
-             listing: list[InputFile], stats: RunStats) -> int:
+             listing: list[InputFile], stats: RunStats, starter: RayStarter | None = None) -> int:
     committed = store.committed()
     todo = [p for p in parts if p.part_id not in committed]
     stats.parts_resumed = len(parts) - len(todo)
@@ -268,7 +291,7 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
               file=sys.stderr)
     progress = ProgressDisplay(stats.rows_total, stats.rows_resumed, len(parts), stats.parts_resumed,
                                label=spec.name or "deepinfer", enabled=options.progress)
-    ctx = RunContext(spec, options, store, assembler, stats, budget, progress)
+    ctx = RunContext(spec, options, store, assembler, stats, budget, progress, starter)
     try:
         if budget.exceeded(stats.errored_total, stats.rows_total):
             exit_code = ExitCode.BUDGET
@@ -327,13 +350,16 @@ def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
         return 0
     collector = PartCollector(todo)
     plan = StagePlan.from_spec(ctx.spec)
+    clock = ctx.stats.clock
+    clock.mark("executor_requested")
     if ctx.options.execute is not None:
         results = ctx.options.execute(ctx.spec, plan, todo, ctx.options)
     else:
         target = commit_target(ctx) if ctx.spec.runtime.executor == "ray" else None
-        results = _execute(ctx.spec, plan, todo, ctx.options, target)
+        results = _execute(ctx.spec, plan, todo, ctx.options, target, ctx.starter)
     try:
         for batch in results:
+            clock.mark("first_result")  # the first time only
             rows, out_tokens = ctx.stats.add_batch(batch)
             ctx.progress.advance(rows, 0, out_tokens)
             for part, table in collector.add(batch):
@@ -351,10 +377,14 @@ def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
                 ctx.progress.part_committed(outcome.error_rows)
             if ctx.budget.exceeded(ctx.stats.errored_total, ctx.stats.rows_total):
                 return ExitCode.BUDGET
+        clock.mark("last_result")
     finally:
         close = getattr(results, "close", None)
         if close is not None:
             close()
+        clock.mark("results_closed")
+        if ctx.starter is not None and ctx.starter.ready_at is not None:
+            clock.driver.setdefault("executor_started", ctx.starter.ready_at)
     if collector.pending():
         raise RuntimeError(f"rows of parts {collector.pending()[:3]} never came back from the executor")
     return 0

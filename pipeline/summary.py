@@ -26,6 +26,89 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def process_started_epoch() -> float | None:
+    """When this process started (epoch seconds; Linux /proc), None where that cannot be read: what the
+    summary's startup figures count interpreter start and imports from."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        import os
+
+        ticks = float(stat[stat.rfind(")") + 2:].split()[19])
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+# The engine actors' start-up marks (epochs, generate.EngineStage.marks) the summary reports, earliest
+# engine first: summary key -> mark name.
+ENGINE_MARKS = (("engine_process_started_s", "process"), ("engine_actor_started_s", "init"),
+                ("engine_imported_s", "imported"), ("model_loaded_s", "built"), ("engine_ready_s", "ready"))
+
+
+@dataclass
+class StartupClock:
+    """Where a run's fixed cost goes (the summary's `startup`): driver phase marks (time.time() epochs)
+    and what the engines report on their parts (`__spec` "timing", stages/generate.py): start-up marks
+    once per engine, then per part the time the engine waited for it, generated and committed it."""
+
+    driver: dict[str, float] = field(default_factory=dict)
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)
+    capture_s: dict[str, float] = field(default_factory=dict)
+    first_received: float | None = None
+    wait_s: float = 0.0
+    generate_s: float = 0.0
+    commit_s: float = 0.0
+
+    def mark(self, name: str) -> None:
+        """Record driver phase `name` now (the first time only)."""
+        self.driver.setdefault(name, time.time())
+
+    def add(self, timing: dict[str, Any]) -> None:
+        """Count one part's figures from an engine (generate.EngineStage.part_timing)."""
+        engine = str(timing.get("engine"))
+        if "startup" in timing:
+            self.engines[engine] = {k: float(v) for k, v in timing["startup"].items() if v is not None}
+            if timing.get("cuda_graph_capture_s") is not None:
+                self.capture_s[engine] = float(timing["cuda_graph_capture_s"])
+        else:  # the first part's wait is start-up (engine ready -> first part), reported as a mark
+            self.wait_s += float(timing["wait_s"])
+        received = float(timing["received"])
+        self.first_received = received if self.first_received is None else min(self.first_received, received)
+        self.generate_s += float(timing["generate_s"])
+        self.commit_s += float(timing["commit_s"])
+
+    def section(self, start_epoch: float, first_token: float | None, first_commit: float | None,
+                wall: float) -> dict[str, float | None]:
+        def since(epoch: float | None) -> float | None:
+            return None if epoch is None else round(epoch - start_epoch, 3)
+
+        def earliest(name: str) -> float | None:
+            found = [m[name] for m in self.engines.values() if name in m]
+            return min(found) if found else None
+
+        started = process_started_epoch()
+        out: dict[str, float | None] = {"driver_process_started_s": since(started)}
+        for key in ("model_checked", "output_opened", "executor_requested", "executor_started",
+                    "first_result", "last_result", "results_closed"):
+            out[f"{key}_s"] = since(self.driver.get(key))
+        for key, name in ENGINE_MARKS:
+            out[key] = since(earliest(name))
+        ready = [m["ready"] for m in self.engines.values() if "ready" in m]
+        out["last_engine_ready_s"] = since(max(ready)) if ready else None
+        out["first_part_received_s"] = since(self.first_received)
+        out["first_token_s"] = since(first_token)
+        out["first_commit_s"] = None if first_commit is None else round(first_commit, 3)
+        out["wall_s"] = round(wall, 3)
+        out["cuda_graph_capture_s"] = round(max(self.capture_s.values()), 3) if self.capture_s else None
+        out["engine_wait_s"] = round(self.wait_s, 3)
+        out["engine_generate_s"] = round(self.generate_s, 3)
+        out["engine_commit_s"] = round(self.commit_s, 3)
+        return out
+
+
 @dataclass
 class EngineSpec:
     """One engine's MTP speculative-decoding figures in this run: sums of the per-call deltas its rows
@@ -120,6 +203,7 @@ class RunStats:
     # (where, node) -> [parts, rows] this run committed there; the first COMMITS_LISTED of those parts
     committed_on: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
     commit_log: list[dict[str, Any]] = field(default_factory=list)
+    clock: StartupClock = field(default_factory=StartupClock)
 
     def add_batch(self, batch: pa.Table) -> tuple[int, int]:
         """Count the work in a batch of ENGINE_SCHEMA rows; returns (rows, output tokens) for progress."""
@@ -129,8 +213,11 @@ class RunStats:
         rows = batch.select(names).to_pylist()
         out_tokens = 0
         for r in rows:
-            if r.get("__spec") is not None and r["__engine"] is not None:
-                self.spec[r["__engine"]].add(json.loads(r["__spec"]))
+            figures = json.loads(r["__spec"]) if r.get("__spec") is not None else {}
+            if "drafted" in figures and r["__engine"] is not None:
+                self.spec[r["__engine"]].add(figures)
+            if "timing" in figures:
+                self.clock.add(figures["timing"])
             ntok = r["__ntok"] or 0
             out_tokens += ntok
             if r["__engine"] is not None:
@@ -182,6 +269,9 @@ class RunStats:
     def error_fraction(self) -> float:
         return self.errored_total / self.rows_total if self.rows_total else 0.0
 
+    def _commit_s(self) -> float | None:
+        return None if self.first_commit is None else self.first_commit - self.start
+
     def _startup(self) -> dict[str, float | None]:
         ttft = None if self.first_token_epoch is None else max(self.first_token_epoch - self.start_epoch, 0.0)
         ttfc = None if self.first_commit is None else self.first_commit - self.start
@@ -203,6 +293,7 @@ class RunStats:
             "status": "succeeded" if exit_code == 0 else "error_budget_exceeded", "exit_code": exit_code,
             "deepinfer_version": __version__, "started_at": self.started_at, "finished_at": utc_now(),
             "wall_seconds": round(wall, 3), **self._startup(), "driver_peak_rss_mb": peak_rss_mb(),
+            "startup": self.clock.section(self.start_epoch, self.first_token_epoch, self._commit_s(), wall),
             "rows": {"total": self.rows_total, "ok": self.ok_resumed + self.rows_ok + self.ok_by_others,
                      "errored": self.errored_total, "this_run": self.rows_ok + self.rows_errored,
                      "resumed": self.rows_resumed},
@@ -245,6 +336,12 @@ def format_summary(s: dict) -> str:
         f"  wall time {s['wall_seconds']:.1f}s (first token {_secs(s.get('time_to_first_token_s'))}, "
         f"first commit {_secs(s.get('time_to_first_commit_s'))})",
     ]
+    up = s.get("startup") or {}
+    if up.get("model_loaded_s") is not None:
+        lines.append(f"  startup   engine started {_secs(up.get('engine_actor_started_s'))}, model loaded "
+                     f"{_secs(up['model_loaded_s'])}, first part {_secs(up.get('first_part_received_s'))}; "
+                     f"engines waited {up['engine_wait_s']:.1f}s for parts, "
+                     f"committed {up['engine_commit_s']:.1f}s")
     for stage, codes in err["by_stage"].items():
         lines.append(f"    {stage}: " + ", ".join(f"{c} x{n}" for c, n in codes.items()))
     for e in s["engines"]:

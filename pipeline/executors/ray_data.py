@@ -307,10 +307,11 @@ class NodeEngineActor(EngineActor):
             from deepinfer.pipeline.output.worker_commit import PartCommitter
 
             self.committer = PartCommitter(target, self.stage.engine_id)
+        self.stage.mark_ready()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = unpack_parts(batch, C.TOKENIZE_SCHEMA)
         if self.committer is None:
             return self.stage.generate_part(rows, self.batch_size)
         self.committer.starting(rows)
-        return self.committer.commit(self.stage.generate_part(rows, self.batch_size))
+        return self.stage.generate_part(rows, self.batch_size, finish=self.committer.commit)

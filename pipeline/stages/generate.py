@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,14 @@ class EngineStage:
                  batch_input: bool = False, engines: EngineCache | None = None) -> None:
         from deepinfer.pipeline.errors import SpecError
         from deepinfer.pipeline.stages.engine_rows import RowRequests
+        from deepinfer.pipeline.summary import process_started_epoch
 
+        # Start-up marks (epochs) for the run summary's `startup` (summary.StartupClock): this process's
+        # start, this constructor, the engine package imported (torch), the model built, ready (mark_ready).
+        self.marks: dict[str, float | None] = {"process": process_started_epoch(), "init": time.time()}
+        if not stub:
+            import deepinfer.engine.llm  # noqa: F401 - torch and the engine's modules, timed apart from the build
+        self.marks["imported"] = time.time()
         try:
             self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
         except ValueError as exc:  # the engine names what to change in the spec's model section
@@ -132,6 +140,27 @@ class EngineStage:
         self._tqdm_kw = {"use_tqdm": False} if accepts_tqdm else {}
         self.first_token_at: float | None = None
         self._watch_first_step()
+        self.marks["built"] = time.time()
+        self._idle_since = 0.0  # when this engine last finished a part (or became ready)
+        self.mark_ready()
+
+    def mark_ready(self) -> None:
+        """The engine's owner is set up (a Ray actor's committer opened): parts may come."""
+        self.marks["ready"] = self._idle_since = time.time()
+
+    def part_timing(self, started: float, generated: float, finished: float) -> dict[str, Any]:
+        """One part's figures for the summary: how long the ready engine waited for it (idle: no part
+        prepared yet), generated it, committed it (Ray actors); the start-up marks on the first part."""
+        figures: dict[str, Any] = {"engine": self.engine_id, "received": started,
+                                   "wait_s": max(started - self._idle_since, 0.0),
+                                   "generate_s": generated - started, "commit_s": finished - generated}
+        if "sent" not in self.marks:
+            self.marks["sent"] = finished
+            figures["startup"] = {k: v for k, v in self.marks.items() if k != "sent"}
+            stats = self._spec_counters() or {}
+            figures["cuda_graph_capture_s"] = stats.get("cuda_graph_capture_s")
+        self._idle_since = finished
+        return figures
 
     def _watch_first_step(self) -> None:
         """Record when the engine's first step returns: its first prefill has then sampled a first token.
@@ -153,13 +182,21 @@ class EngineStage:
 
         core.step = first_step
 
-    def generate_part(self, table: pa.Table, batch_size: int) -> pa.Table:
+    def generate_part(self, table: pa.Table, batch_size: int,
+                      finish: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
         """Generate for a whole part (TOKENIZE_SCHEMA rows, length-sorted per window), `batch_size` rows
-        per engine call (runtime.batch_size); returns its ENGINE_SCHEMA rows in one table."""
+        per engine call (runtime.batch_size); returns its ENGINE_SCHEMA rows in one table, or what
+        `finish` (a Ray actor's commit) makes of them. The part's timing rides on its first row's `__spec`."""
+        started = time.time()
         if table.num_rows <= batch_size:
-            return self(table)
-        chunks = [self(table.slice(start, batch_size)) for start in range(0, table.num_rows, batch_size)]
-        return pa.concat_tables(chunks)
+            out = self(table)
+        else:
+            out = pa.concat_tables([self(table.slice(start, batch_size))
+                                    for start in range(0, table.num_rows, batch_size)])
+        generated = time.time()
+        if finish is not None:
+            out = finish(out)
+        return with_timing(out, self.part_timing(started, generated, time.time()))
 
     def _generate(self, prompts: list[list[int]], params: list) -> list[Any]:
         """Outputs per prompt; a ValueError for the batch is narrowed down to the rows that raise it."""
@@ -240,3 +277,15 @@ class EngineStage:
     @staticmethod
     def _fail(cols: dict[str, list], i: int, err: tuple[str, str, str]) -> None:
         cols["__err_stage"][i], cols["__err_code"][i], cols["__err_msg"][i] = err
+
+
+def with_timing(table: pa.Table, timing: dict[str, Any]) -> pa.Table:
+    """`table` with `timing` added under "timing" to the `__spec` JSON of its first row (merged with the
+    MTP figures already there): how per-part engine figures reach the driver (summary.StartupClock)."""
+    if table.num_rows == 0 or "__spec" not in table.schema.names:
+        return table
+    index = table.schema.get_field_index("__spec")
+    specs = table.column(index).to_pylist()
+    figures = json.loads(specs[0]) if specs[0] is not None else {}
+    specs[0] = json.dumps({**figures, "timing": timing}, sort_keys=True)
+    return table.set_column(index, table.schema.field(index), pa.array(specs, type=pa.string()))

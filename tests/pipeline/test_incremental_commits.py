@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli_harness import kill_group, reader, start_submit, write_jsonl
+from tests.support.startup_checks import check_startup
 
 PARTS = 10
 ROWS_PER_PART = 24
@@ -97,6 +98,8 @@ def test_ray_one_engine_commits_part_by_part_and_a_kill_keeps_them(tmp_path, tin
     assert seen[-1][0] - first_new > 0.5, seen  # the first new marker came well before the last
     assert summary["time_to_first_commit_s"] < summary["wall_seconds"]
     assert 0 < summary["time_to_first_token_s"] <= summary["time_to_first_commit_s"]
+    # Where the fixed cost went: engine start, model build, first token, commits, in order (summary.startup).
+    check_startup(summary, ray=True)
 
 
 def test_driver_memory_stays_flat_as_rows_grow(tmp_path, tiny_checkpoint) -> None:
