@@ -43,8 +43,10 @@ ENGINE_SCHEMA = pa.schema([
     ("__extra", pa.string()),
     # JSON text on the first generated row of each engine call, null elsewhere: that call's MTP deltas
     # ("drafted", "accepted", "verify_steps") and the engine's state after it ("enabled", "active",
-    # "disabled_reason", "estimated_speedup", "verify_steps_total"), summed by the driver (summary.py).
-    # Last so older tables concatenate; never written to parts (assemble.py picks named columns).
+    # "disabled_reason", "estimated_speedup", "verify_steps_total"), summed by the driver (summary.py);
+    # on each part's first row also "timing": the part's engine figures (generate.with_timing), which the
+    # summary's `startup` object reads. Last so older tables concatenate; never written to parts
+    # (assemble.py picks named columns).
     ("__spec", pa.string()),
 ])
 
