@@ -190,11 +190,12 @@ def profile_one(engines: dict, prompts, sp, path: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     llm = engines.get("deterministic") or next(e for k, e in engines.items() if k != "hf")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50)
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30,
+                                                               max_name_column_width=50)
     Path(path).write_text(table)
     print(table)
     return {"profiled_seconds": dt, "table": path}
