@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_rotary_store import fused, same_bits, unfused  # noqa: E402
 from benchmarks.fp8_gemm_timing import graph_time  # noqa: E402
 
 HQ, HKV, D, LAYERS = 32, 8, 128, 32   # Llama-3.1-8B
@@ -123,44 +124,14 @@ def _rotary_operands(tokens: int, fp8: bool) -> dict:
     return c
 
 
-def _unfused(c: dict) -> torch.Tensor:
-    """The unfused composition: engine apply_rotary on q and k (torch ops), then the Triton store."""
-    from deepinfer.engine.layers.rotary import apply_rotary
-    from deepinfer.kernels.kv_fp8 import store_kv_fp8
-    from deepinfer.kernels.store_kv import store_kv
-
-    cos, sin = c["cos"][:, None], c["sin"][:, None]
-    q, k = apply_rotary(c["q"], cos, sin), apply_rotary(c["k"], cos, sin)
-    if "k_scale" in c:
-        store_kv_fp8(k, c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"], c["k_scale"], c["v_scale"])
-    else:
-        store_kv(k, c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"])
-    return q
-
-
-def _fused(c: dict) -> torch.Tensor:
-    from deepinfer.kernels.rotary_store import rotary_store_kv
-
-    return rotary_store_kv(**c)
-
-
-def _same_bits(c: dict) -> bool:
-    a = {**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()}
-    b = {**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()}
-    qa, qb = _fused(a), _unfused(b)
-    view = (lambda t: t.view(torch.uint8)) if c["k_cache"].dtype == FP8 else (lambda t: t)
-    return (torch.equal(qa, qb) and torch.equal(view(a["k_cache"]), view(b["k_cache"]))
-            and torch.equal(view(a["v_cache"]), view(b["v_cache"])))
-
-
 def bench_rotary_store(token_counts: list[int]) -> list[dict]:
     """µs per call of the fused and unfused rotary + store, bf16 and e4m3 caches."""
     rows = []
     for tokens in token_counts:
         for cache, fp8 in (("bf16", False), ("fp8_e4m3", True)):
             c = _rotary_operands(tokens, fp8)
-            same = _same_bits(c)
-            for arm, fn in (("fused", _fused), ("unfused", _unfused)):
+            same = same_bits(c)
+            for arm, fn in (("fused", fused), ("unfused", unfused)):
                 sec = graph_time(lambda fn=fn, c=c: fn(c))
                 rows.append({"part": "rotary_store", "cache": cache, "arm": arm, "tokens": tokens,
                              "us": sec * 1e6, "per_step_us": sec * 1e6 * LAYERS, "bitwise_equal": same})

@@ -48,28 +48,38 @@ def _operands(hq: int, hkv: int, d: int, theta: float, tokens: int) -> dict:
                 slot_mapping=torch.randperm(num_blocks * block_size, device=DEV)[:tokens])
 
 
-def _unfused(c: dict) -> torch.Tensor:
+def unfused(c: dict) -> torch.Tensor:
+    """The unfused composition: engine apply_rotary on q and k (torch ops), then the Triton store (the e4m3
+    store when `c` carries k_scale / v_scale)."""
     from deepinfer.engine.layers.rotary import apply_rotary
+    from deepinfer.kernels.kv_fp8 import store_kv_fp8
     from deepinfer.kernels.store_kv import store_kv
 
     cos, sin = c["cos"][:, None], c["sin"][:, None]
     q, k = apply_rotary(c["q"], cos, sin), apply_rotary(c["k"], cos, sin)
-    store_kv(k, c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"])
+    if "k_scale" in c:
+        store_kv_fp8(k, c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"], c["k_scale"], c["v_scale"])
+    else:
+        store_kv(k, c["v"], c["k_cache"], c["v_cache"], c["slot_mapping"])
     return q
 
 
-def _fused(c: dict) -> torch.Tensor:
+def fused(c: dict) -> torch.Tensor:
     from deepinfer.kernels.rotary_store import rotary_store_kv
 
     return rotary_store_kv(**c)
 
 
-def _same_bits(c: dict) -> bool:
+def same_bits(c: dict) -> bool:
+    """Whether the fused and unfused paths give the same q and caches, bit for bit (each on its own copy
+    of the caches)."""
     a = {**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()}
     b = {**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()}
-    qa, qb = _fused(a), _unfused(b)
-    return (torch.equal(qa, qb) and torch.equal(a["k_cache"], b["k_cache"])
-            and torch.equal(a["v_cache"], b["v_cache"]))
+    qa, qb = fused(a), unfused(b)
+    fp8 = c["k_cache"].dtype == torch.float8_e4m3fn
+    view = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # torch.equal has no e4m3 kernel
+    return (torch.equal(qa, qb) and torch.equal(view(a["k_cache"]), view(b["k_cache"]))
+            and torch.equal(view(a["v_cache"]), view(b["v_cache"])))
 
 
 def _step_us(fn, c: dict, layers: int, reps: int = 20) -> float:
@@ -96,8 +106,8 @@ def main() -> None:
     for name, (hq, hkv, d, theta, layers) in SHAPES.items():
         for tokens in args.tokens:
             c = _operands(hq, hkv, d, theta, tokens)
-            row = {"shape": name, "tokens": tokens, "bitwise_equal": _same_bits(c)}
-            for arm, fn in (("fused", _fused), ("unfused", _unfused)):
+            row = {"shape": name, "tokens": tokens, "bitwise_equal": same_bits(c)}
+            for arm, fn in (("fused", fused), ("unfused", unfused)):
                 row[f"{arm}_device_us"] = 1e3 * do_bench(lambda fn=fn, c=c: fn(c), warmup=25, rep=100,
                                                          return_mode="median")
                 row[f"{arm}_step_us"] = _step_us(fn, c, layers)
