@@ -64,6 +64,12 @@ SCHEMA = {
 CPU_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "float32"}
 
+# --*-ab flag -> (the constrained arm run with that part switched off (set_arm), the key of the
+# constrained arm's speedup over it, per interleaved pair)
+AB_ARMS = {"prefetch_ab": ("json_schema_no_prefetch", "prefetch_speedup_pairs"),
+           "mask_cache_ab": ("json_schema_no_mask_cache", "mask_cache_speedup_pairs"),
+           "state_keys_ab": ("json_schema_no_state_keys", "state_keys_speedup_pairs")}
+
 
 def model_dir_for(shape: str, tokenizer: str, root: Path, cpu: bool = False) -> Path:
     """The shape's config + tokenizer; with the 128k BPE, vocab_size is the tokenizer's own size."""
@@ -242,12 +248,9 @@ def main() -> None:
                for i, o in enumerate(warm["outputs"])]
     run(llm, prompts, sp_free)  # warm-up of the unconstrained arm
     arms = {"unconstrained": sp_free, "json_schema": sp_json}
-    if args.prefetch_ab:
-        arms["json_schema_no_prefetch"] = sp_json
-    if args.mask_cache_ab:
-        arms["json_schema_no_mask_cache"] = sp_json
-    if args.state_keys_ab:
-        arms["json_schema_no_state_keys"] = sp_json
+    for flag, (arm, _) in AB_ARMS.items():
+        if getattr(args, flag):
+            arms[arm] = sp_json
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     steps: dict[str, dict] = {}
     masks: dict[str, list[dict]] = {a: [] for a in arms if a != "unconstrained"}
@@ -301,26 +304,11 @@ def main() -> None:
                         "mask_cache_hit_rate": spread([m["mask_cache"]["hit_rate"] for m in ms])}
                   for arm, ms in masks.items()},
     }
-    if args.mask_cache_ab:
-        off = runs["json_schema_no_mask_cache"]
-        result["json_schema_no_mask_cache"] = {
-            "out_tok_s": spread([r["out_tok_s"] for r in off]),
-            "steps": steps.get("json_schema_no_mask_cache"),
-            "mask_cache_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
-                                                                      [r["out_tok_s"] for r in off])])}
-    if args.state_keys_ab:
-        off = runs["json_schema_no_state_keys"]
-        result["json_schema_no_state_keys"] = {
-            "out_tok_s": spread([r["out_tok_s"] for r in off]),
-            "steps": steps.get("json_schema_no_state_keys"),
-            "state_keys_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
-                                                                      [r["out_tok_s"] for r in off])])}
-    if args.prefetch_ab:
-        off = runs["json_schema_no_prefetch"]
-        result["json_schema_no_prefetch"] = {
-            "out_tok_s": spread([r["out_tok_s"] for r in off]), "steps": steps.get("json_schema_no_prefetch"),
-            "prefetch_speedup_pairs": spread([c / o for c, o in zip(tps["json_schema"],
-                                                                    [r["out_tok_s"] for r in off])])}
+    for flag, (arm, speedup) in AB_ARMS.items():
+        if getattr(args, flag):
+            off = [r["out_tok_s"] for r in runs[arm]]
+            result[arm] = {"out_tok_s": spread(off), "steps": steps.get(arm),
+                           speedup: spread([c / o for c, o in zip(tps["json_schema"], off)])}
     if args.profile_steps:
         prof: dict[str, dict] = {}
         for arm, params in arms.items():
