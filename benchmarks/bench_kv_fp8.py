@@ -13,7 +13,9 @@ the way the engine's captured decode steps leave it out.
   bandwidth-bound like bf16, e4m3 near bf16 at the full context means the per-tile e4m3 -> bf16 conversion
   (and the shared-memory round trip the converted MMA operand takes) eats the saved bytes. The fp16 arms
   repeat both with fp16 activations, whose e4m3 -> fp16 conversion is one cvt per two elements (bf16 takes
-  that cvt and two more, cvt.bf16.f16): e4m3 much faster under fp16 points at the conversion.
+  that cvt and two more, cvt.bf16.f16): e4m3 much faster under fp16 points at the conversion. These arms
+  run whatever `attention_tile_config` picks for a decode step; benchmarks/attn_variants.py times the
+  kernel's other tile configs side by side.
 - rotary + store: one layer's rotate q, rotate k, store k/v for `--batch` decode tokens (and a 2048-token
   prefill chunk): fused (kernels/rotary_store.py, one launch) vs unfused (engine apply_rotary in torch
   ops, then the Triton store_kv / store_kv_fp8), into a bf16 and into an e4m3 cache. Each pair is first

@@ -5,10 +5,22 @@ BLOCK_Q of the sequence's new tokens are packed into the BLOCK_M rows of the til
 head), so decode (one token) still feeds the tensor cores. Keys/values are read through the block table in
 tiles of BLOCK_N absolute positions starting at position 0 — [0, BLOCK_N), [BLOCK_N, 2*BLOCK_N), ... —
 with BLOCK_N a multiple of KV_CHUNK, and reduced with an fp32 online softmax in increasing tile order.
+kernels/paged_attention_kernel.py is the kernel body; its SWAP form computes the transposed tiles
+(S^T = K Q^T, O^T += V^T P^T: the query rows are the MMA's N dimension) and its FP16_KV form runs an e4m3
+cache's products in fp16 (its docstring: why that is exact for bf16 q).
 
 Why a token's output bits never depend on scheduling (prefill chunk, decode, prefix-cache hit, batch):
-- the tile config (BLOCK_M, BLOCK_N, warps, stages) depends only on (GROUP, head_dim, dtype), so every call
-  runs the same binary, and a row's arithmetic does not depend on which row of the tile it occupies;
+- the tile config (BLOCK_N, SWAP, FP16_KV, warps, stages) depends only on (GROUP, head_dim, dtype, cache
+  dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence, decode tiles of
+  DECODE_BLOCK_M rows) or not;
+- a row's arithmetic does not depend on which row of the tile it occupies, nor on how many rows the tile
+  has: under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent, and each column's
+  products and its max/sum reductions run over the key (M) axis, laid out by BLOCK_N and the warp count
+  alone — so a 16-row decode tile and a 64-row prefill tile give a token the same bits, which
+  tests/kernels/test_paged_attention_decode_gpu.py checks on the GPU (decode steps vs every row of a full
+  prefill, the last rows of random chunks, decode rows in mixed steps; random lengths, bf16 and e4m3).
+  Not so for the untransposed tile: there BLOCK_M is the MMA's M, 16 rows compile to mma.sync and 64 to
+  wgmma, and their bits differ (measured on an H200), so decode tiles come only with SWAP;
 - a row at position p sees the same tiles 0..p // BLOCK_N with the same masking (positions > p are -inf);
 - tiles after p's tile, processed only because a later token of the same program needs them, leave the
   row's state unchanged exactly: the running max does not move (alpha is then exactly 1), p = exp2(-inf) = 0,
@@ -23,107 +35,46 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
-import triton.language as tl
 from deepinfer.kernels._checks import is_power_of_two
 from deepinfer.kernels.metadata import KV_CHUNK
+from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _paged_attention_kernel
 from deepinfer.kernels.reference.attention import check_attention_args
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention", "attention_tile_config"]
+__all__ = ["paged_attention", "attention_tile_config", "launch_paged_attention"]
 
 _LOG2E = 1.4426950408889634
+# Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md, 2026-12-01 night): transposed
+# tiles for 16-bit q, 16-row decode tiles (with the transposed tiles only), fp16 products over an e4m3 cache
+# under bf16 q. Decode at 256 x 640 positions: 8B shape bf16 224 -> 189 us, e4m3 214 -> 158 us; 0.5B shape
+# bf16 43 -> 31 us, e4m3 35 -> 32 us. Prefill of 16 x 512 tokens gets slower: 8B 198 -> 291 us (bf16),
+# 201 -> 301 us (e4m3).
+SWAP_TILES = True
+DECODE_BLOCK_M = 16
+FP16_E4M3 = True
 _PLAN_ATTR = "_paged_attention_plans"
 
 
-def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    """Tile config of the kernel: a function of the model shape only (never of the batch)."""
-    block_m = max(64, triton.next_power_of_2(group))
+def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool = False,
+                          decode: bool = False) -> dict[str, int]:
+    """Tile config of the kernel: a function of the model shape, the cache dtype and whether the step is a
+    decode step (one query token per sequence), never of the batch. Decode and prefill configs differ in
+    BLOCK_M only (the module docstring: why that keeps a token's bits)."""
+    tensor_core = dtype != torch.float32 and head_dim <= 128   # the measured family (wgmma tiles)
     block_n = 64 if head_dim <= 128 else 32
     if dtype == torch.float32:
         block_n = 32
-    num_stages = 3 if head_dim <= 128 and dtype != torch.float32 else 2
+    num_stages = 3 if tensor_core else 2
+    swap = int(SWAP_TILES and tensor_core)
+    if swap:   # benchmarks/attn_variants.py: e4m3 tiles of 128 keys, bf16 tiles of 64 keys in 2 stages
+        block_n, num_stages = (128, 3) if kv_fp8 else (64, 2)
+    block_m = max(DECODE_BLOCK_M if decode and swap else 64, triton.next_power_of_2(group))
+    fp16_kv = int(FP16_E4M3 and swap and kv_fp8 and dtype == torch.bfloat16)
     assert block_n % KV_CHUNK == 0
-    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n,
-            "num_warps": 4, "num_stages": num_stages}
-
-
-# stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
-# step runs the same binary.
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    plan_ptr, qsl_ptr, pos_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(plan_ptr + 2 * pid)
-    q_block = tl.load(plan_ptr + 2 * pid + 1)
-    q_start = tl.load(qsl_ptr + seq)
-    q_end = tl.load(qsl_ptr + seq + 1)
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = q_block * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (q_start + tok < q_end)
-    t = (q_start + tok).to(tl.int64)
-    # Padding rows take position 0: finite arithmetic, never stored.
-    q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
-    last_pos = tl.max(q_pos, axis=0)
-
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
-    if KV_FP8:  # e4m3 cache: the head's key scale folds into the score scale, its value scale into the output
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    for j in range(0, last_pos // BLOCK_N + 1):
-        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_ok = kv_pos <= last_pos
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        offset = kv_pos % BLOCK_SIZE
-        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so tiles
-        # that are fully masked for a row leave its state bit-identical.
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    out = acc / l_i[:, None]
-    if KV_FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
-    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n, "num_warps": 4,
+            "num_stages": num_stages, "SWAP": swap, "FP16_KV": fp16_kv}
 
 
 def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> list[int]:
@@ -185,7 +136,22 @@ def paged_attention(
     if num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    cfg = attention_tile_config(group, head_dim, q.dtype)
+    decode = meta.max_query_len == 1
+    cfg = attention_tile_config(group, head_dim, q.dtype, kv_fp8=kv_fp8, decode=decode)
+    return launch_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out)
+
+
+def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
+                           v_scale: torch.Tensor | None, cfg: dict[str, int],
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel with an explicit tile config (`attention_tile_config`'s keys); arguments as checked
+    by `paged_attention`. benchmarks/attn_variants.py times configs through this."""
+    kv_fp8 = k_scale is not None
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if out is None:
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if meta.decode_plan is not None and meta.max_query_len == 1:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
     else:
@@ -199,8 +165,9 @@ def paged_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-        GROUP=group, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8,
+        GROUP=num_q_heads // num_kv_heads, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,0 +1,150 @@
+"""The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
+the batch-invariance argument). Two constexpr knobs beyond the tile shape:
+
+- SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
+  are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
+  straight from its conversion to the tensor core instead of back through shared memory, and the query rows
+  are the MMA's N dimension (down to 8-16), so a decode tile is not padded to 64 rows. The softmax state
+  of a query row is then a column's, reduced over axis 0.
+- FP16_KV (e4m3 cache only): the products run in fp16 instead of q's bf16. e4m3 -> fp16 is one exact
+  hardware conversion (every e4m3 value is an fp16 value), e4m3 -> bf16 is not. q is brought into fp16's
+  range row by row: each row is multiplied by the power of two 2^(14 - E) with 2^E <= max|row| < 2^(E+1),
+  so its largest element lies in [2^14, 2^15) (no overflow: fp16 max 65504), and the inverse power is
+  folded into that row's score scale. Multiplying by a power of two is exact, so every element at least
+  2^-31 of its row's max converts exactly (smaller ones round to fp16's subnormal grid; they move a score
+  by < 2^-31 relative). The scale is a function of the row's own values only: row-local like everything
+  else, so batch invariance is untouched.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_pow2_scale(q):
+    """(q scaled row-wise into fp16 range, as fp16; the per-row power of two that undoes the scaling)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=1)
+    ebits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    ebits = tl.minimum(tl.maximum(ebits, 15), 254)     # 0 rows (padding) and extreme rows stay finite
+    mult = ((268 - ebits) << 23).to(tl.float32, bitcast=True)     # 2^(14 - E), E = ebits - 127
+    inv = ((ebits - 14) << 23).to(tl.float32, bitcast=True)       # 2^(E - 14)
+    return (qf * mult[:, None]).to(tl.float16), inv
+
+
+# stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
+# step runs the same binary.
+@triton.jit(do_not_specialize=["stride_bt"])
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    plan_ptr, qsl_ptr, pos_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+    SWAP: tl.constexpr, FP16_KV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(plan_ptr + 2 * pid)
+    q_block = tl.load(plan_ptr + 2 * pid + 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_start + tok < q_end)
+    t = (q_start + tok).to(tl.int64)
+    # Padding rows take position 0: finite arithmetic, never stored.
+    q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
+    last_pos = tl.max(q_pos, axis=0)
+
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    if KV_FP8:  # e4m3 cache: the head's key scale folds into the score scale, its value scale into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if FP16_KV:
+        q, row_inv = _row_pow2_scale(q)
+        row_scale = row_inv * qk_scale       # exact: a power of two times the scalar
+    else:
+        row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * qk_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
+        q_t = tl.trans(q)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for j in range(0, last_pos // BLOCK_N + 1):
+        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos <= last_pos
+        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        offset = kv_pos % BLOCK_SIZE
+        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+        if SWAP:
+            # S^T: keys down, query rows across; the softmax state of a row is its column's.
+            if IEEE:
+                s = tl.dot(k, q_t, input_precision="ieee")
+            else:
+                s = tl.dot(k, q_t)
+            s = tl.where(kv_pos[:, None] <= q_pos[None, :], s * row_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so
+            # tiles that are fully masked for a row leave its state bit-identical.
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs + d[:, None],
+                          mask=kv_ok[None, :], other=0.0)
+            if KV_FP8:
+                v_t = v_t.to(q.dtype)
+            acc = acc * alpha[None, :]
+            if IEEE:
+                acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(v_t, p.to(v_t.dtype), acc)
+        else:
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))   # see above: exactly 1 if unchanged
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
+                        mask=kv_ok[:, None], other=0.0)
+            if KV_FP8:
+                v = v.to(q.dtype)
+            acc = acc * alpha[:, None]
+            if IEEE:
+                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    if SWAP:
+        out = acc / l_i[None, :]
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        tl.store(out_ptr + t[None, :] * stride_ot + head[None, :] * stride_oh + d[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+    else:
+        out = acc / l_i[:, None]
+        if KV_FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -1,0 +1,105 @@
+"""The paged-attention kernel's tile variants under Triton's interpreter (a TRITON_INTERPRET=1 subprocess
+started by tests/kernels/test_paged_attention_variants_cpu.py), tiny shapes, against paged_attention_ref.
+
+Variants: SWAP (transposed tiles S^T = K Q^T), decode tiles (BLOCK_M 16), FP16_KV (the e4m3 cache's fp16
+products, q rescaled row by row by powers of two). float32 q runs the kernel's IEEE path, so agreement is
+tight; FP16_KV rounds p to fp16 (2^-11 relative) and is checked at 2e-3. q values are bf16-representable
+(as the engine's are), which the FP16_KV conversion keeps exactly. Bitwise invariance needs the compiled
+kernels: tests/kernels/test_paged_attention_decode_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.kernels.reference.attention import paged_attention_ref
+from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
+from deepinfer.kernels.reference.store_kv import store_kv_ref
+
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
+from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
+
+skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
+
+BS, HQ, HKV, D = 16, 8, 2, 16
+LENS = [(37, 5), (20, 20), (70, 1), (1, 1)]     # (context, new tokens): prefix hit, prefill, decodes
+
+
+@pytest.fixture(scope="module")
+def pa():
+    return interpreted_kernels("paged_attention")
+
+
+@pytest.fixture(scope="module")
+def caches():
+    """A NaN-filled float32 cache and an e4m3 cache holding the same keys/values, the step's metadata."""
+    gen = torch.Generator().manual_seed(11)
+    tables, nb = random_block_lists([c for c, _ in LENS], BS, seed=3)
+    meta = build_metadata([SeqStep(b, c, q) for b, (c, q) in zip(tables, LENS, strict=True)], BS)
+    fill = build_metadata([SeqStep(b, c, c) for b, (c, _) in zip(tables, LENS, strict=True)], BS)
+    k = torch.randn(fill.num_tokens, HKV, D, generator=gen) * 3
+    v = torch.randn(fill.num_tokens, HKV, D, generator=gen)
+    kf = torch.full((nb, BS, HKV, D), float("nan"))
+    vf = torch.full_like(kf, float("nan"))
+    store_kv_ref(k, v, kf, vf, fill.slot_mapping)
+    k8 = torch.full((nb, BS, HKV, D), float("nan")).to(torch.float8_e4m3fn)
+    v8 = k8.clone()
+    ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
+    store_kv_fp8_ref(k, v, k8, v8, fill.slot_mapping, ks, vs)
+    q = (torch.randn(meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
+    return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
+
+
+def _cfg(block_m: int, swap: int, fp16_kv: int = 0) -> dict[str, int]:
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": 32, "num_warps": 4,
+            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv}
+
+
+@pytest.mark.parametrize("block_m,swap", [(64, 0), (16, 0), (16, 1), (64, 1)])
+def test_variants_match_reference_bf16_layout_cache(pa, caches, block_m, swap):
+    c = caches
+    out = pa.launch_paged_attention(c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None, _cfg(block_m, swap))
+    ref = paged_attention_ref(c["q"], c["kf"], c["vf"], c["meta"], 0.3)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("block_m,swap,fp16_kv", [(64, 0, 0), (16, 1, 0), (64, 0, 1), (16, 1, 1), (64, 1, 1)])
+def test_variants_match_reference_e4m3_cache(pa, caches, block_m, swap, fp16_kv):
+    c = caches
+    out = pa.launch_paged_attention(c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"],
+                                    _cfg(block_m, swap, fp16_kv))
+    ref = paged_attention_ref(c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    tol = 2e-3 if fp16_kv else 2e-5
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
+    """Rows far above fp16's max (65504) and far below its normal range stay exact after the power-of-two
+    rescale: the output matches the reference instead of turning into inf/NaN or losing the small rows."""
+    c = caches
+    q = c["q"].clone()
+    q[0] *= 2.0 ** 20
+    q[1] *= 2.0 ** -30
+    q[2, :, :3] = 0.0
+    q[3] = 0.0
+    # The huge row's scores are huge: a small scale keeps its softmax from being one-hot.
+    out = pa.launch_paged_attention(q, c["k8"], c["v8"], c["meta"], 2.0 ** -22, c["ks"], c["vs"],
+                                    _cfg(16, 1, 1))
+    ref = paged_attention_ref(q, c["k8"], c["v8"], c["meta"], 2.0 ** -22, c["ks"], c["vs"])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_configs_keep_the_kv_tiles(pa):
+    """Decode and prefill configs of one shape share BLOCK_N (the online-softmax order) and fit the group."""
+    for group in (1, 4, 7, 8, 16):
+        for d in (64, 128, 256):
+            for dtype in (torch.bfloat16, torch.float32):
+                for kv_fp8 in (False, True):
+                    pre = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=False)
+                    dec = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=True)
+                    assert pre["BLOCK_N"] == dec["BLOCK_N"] and pre["SWAP"] == dec["SWAP"]
+                    assert pre["FP16_KV"] == dec["FP16_KV"]
+                    for cfg in (pre, dec):
+                        assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
