@@ -2,10 +2,12 @@
 
 Batch invariance: every output element is accumulated in fp32 over K in tiles of BLOCK_K, in increasing
 order, by one `tl.dot` chain whose shape (BLOCK_M x BLOCK_N x BLOCK_K) and compile options are chosen from
-(N, K, dtype) only — never from M. There is no split-K, and rows beyond M are clamped to row 0 (their results
-are never stored), so a row's bits do not depend on how many other rows share the call or on which tile or
-program computes it. `M` is excluded from Triton's integer specialisation so one compiled binary serves
-every M. The persistent tile loop only changes which program runs a tile, never how a tile is computed.
+(N, K, dtype) only — never from M. There is no M-dependent split-K (a config may ask for a fixed-order one,
+`MatmulConfig.split_k`: a fixed number of K ranges, each one such chain, summed in range order), and rows
+beyond M are clamped to row 0 (their results are never stored), so a row's bits do not depend on how many
+other rows share the call or on which tile or program computes it. `M` is excluded from Triton's integer
+specialisation so one compiled binary serves every M. The persistent tile loop only changes which program
+runs a tile, never how a tile is computed.
 
 Decode-sized M: one tile shape cannot serve both a 256-row decode step and an 8k-token prefill well (at
 M = 256 a 128-row tile leaves half the SMs idle on the 4096-wide layers). `MatmulPlanner` therefore picks a
@@ -15,8 +17,9 @@ That this gives identical bits is a property of the GPU's MMA units, not a langu
 planner proves it per weight shape on the device before using it: the first call for a shape runs every
 bucket's config on that call's input and compares the results bitwise; if any differs, that shape keeps a
 single config for every M (invariance first, speed second). On the H200 all 58 configs tried with
-BLOCK_K = 64 (two sweeps, 58 and 43 configs) agreed bitwise on every Llama-3.1-8B layer shape
-(benchmarks/RESULTS.md).
+BLOCK_K = 64 (two sweeps, 58 and 43 configs) agreed bitwise on every Llama-3.1-8B layer shape, and every
+single-chain config of benchmarks/gemm_sweep_05b.py (15 narrow, 9 wide) on the Qwen2.5-0.5B shapes
+(benchmarks/RESULTS.md); those shapes take configs of their own (`_TUNED`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class MatmulConfig:
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = True     # grid of min(#SMs, #tiles) programs looping over tiles; else one per tile
+    # K split into this many contiguous ranges of k-tiles, each a program's fp32 chain, the partials summed
+    # in split order by a second kernel: a fixed order (never M-dependent), but other bits than split_k=1,
+    # so every M bucket of a weight must use the same split_k (like BLOCK_K). `persistent` is ignored.
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n", "block_k"):
@@ -49,6 +56,8 @@ class MatmulConfig:
                 raise ValueError(f"MatmulConfig.{field}={value}: must be a power of two >= 16")
         if self.group_m < 1:
             raise ValueError(f"MatmulConfig.group_m={self.group_m}: must be >= 1")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"MatmulConfig.split_k={self.split_k}: must be in 1..64")
 
 
 def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
@@ -57,9 +66,10 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     Wide weights (gate_up, lm_head) take 128x256 tiles (highest tensor-core efficiency); narrower ones take
     128x128 so a decode step (M <= 128) still spreads over more SMs.
     """
-    del k  # same config for every K; kept in the signature so a K-dependent policy stays M-free
     if dtype == torch.float32:
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    if (n, k) in _TUNED:   # a tuned weight shape (below): its open-ended bucket's config
+        return _TUNED[(n, k)][-1][1]
     if n >= 8192:
         return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
@@ -68,6 +78,26 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False) -> MatmulConfig:
     return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
                         persistent=persistent)
+
+
+# Buckets tuned for exact weight shapes (N, K) whose best tiles differ from the shape-class rule in
+# _bucket_configs: the whole (max_m, config) list, ascending, the last open-ended, all BLOCK_K = 64 and one
+# split_k. Keyed by the weight only, never by M; MatmulPlanner still proves every bucket bitwise equal on
+# the device before using them, and matmul_config (its fallback) is the open-ended one. Measured with
+# benchmarks/gemm_sweep_05b.py (H200, Qwen2.5-0.5B shapes).
+# us per call at M = 64 / 128 / 256, today's class rule -> the table (cuBLAS), 23:35 UTC sweep:
+# qkv 5.3/5.6/6.8 -> 4.8/4.8/5.6 (4.6/4.6/5.0); o 5.2/5.2/6.4 -> 4.5/4.5/4.6 (4.3/4.4/4.7);
+# gate_up 10.7/14.8/14.9 -> 8.6/9.9/14.9 (7.7/8.0/10.8); down 17.5/17.6/22.1 -> 14.0/14.0/14.2
+# (8.4/8.8/10.2); lm_head 82/95/138 -> 79/96/134 (78/83/109). Many small column tiles with deep pipelines
+# fill the SMs at K = 896 and at the long-K down projection; prefill keeps the class's 128x256 tiles.
+_TUNED: dict[tuple[int, int], tuple[tuple[int | None, MatmulConfig], ...]] = {
+    (1152, 896): ((128, _cfg(64, 32, 4, 6)), (256, _cfg(64, 64, 4, 6)), (None, _cfg(128, 256, 8, 3, True))),
+    (896, 896): ((256, _cfg(64, 32, 4, 6)), (None, _cfg(128, 256, 8, 3, True))),
+    (9728, 896): ((64, _cfg(64, 128, 4, 4)), (128, _cfg(128, 128, 8, 4, True)),
+                  (None, _cfg(128, 256, 8, 4, True))),
+    (896, 4864): ((256, _cfg(64, 32, 4, 6)), (None, _cfg(128, 256, 8, 3, True))),
+    (151936, 896): ((64, _cfg(64, 128, 4, 4)), (None, _cfg(128, 256, 8, 4, True))),
+}
 
 
 def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | None, MatmulConfig], ...]:
@@ -79,13 +109,16 @@ def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | Non
     rows, 64x128 tiles for weights up to 4096 wide (4 x 32 tiles for 132 SMs) and 128x128 beyond; wide
     weights (gate_up, lm_head) take 64x256 / 128x256 tiles; prefill-sized M takes 128x256.
     """
-    del k
     if dtype == torch.float32:
         return ((None, matmul_config(n, 0, dtype)),)
+    if (n, k) in _TUNED:
+        return _TUNED[(n, k)]
     if n >= 8192:
-        return ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
-    mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
-    return ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
+        buckets = ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
+    else:
+        mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
+        buckets = ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
+    return buckets
 
 
 class MatmulPlanner:
@@ -190,6 +223,95 @@ def _bi_linear_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _bi_linear_split_kernel(
+    x_ptr, w_ptr, part_ptr,
+    M, N, K, K_TILES_PER_SPLIT,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Program (tile, split): the fp32 chain of the split's k-tiles, in increasing order, into part[split].
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)    # as in _bi_linear_kernel: never stored
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    k_first = split * K_TILES_PER_SPLIT
+    k_last = tl.minimum(k_first + K_TILES_PER_SPLIT, k_tiles)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_first * BLOCK_K + offs_k[None, :]) * stride_xk
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_first * BLOCK_K + offs_k[:, None]) * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_first, k_last):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    part = part_ptr + split.to(tl.int64) * M.to(tl.int64) * N
+    ptrs = part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, stride_on,
+                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # out = ((part[0] + part[1]) + part[2]) + ... (+ bias): the same order for every element and every M.
+    total = M.to(tl.int64) * N
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  cfg: MatmulConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(k_tiles, cfg.split_k)    # a function of K and the config only
+    part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _bi_linear_split_kernel[(tiles, cfg.split_k)](
+        x, weight, part, m, n, k, per_split,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    block = 1024
+    _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
+        SPLITS=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
 def bi_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -226,6 +348,8 @@ def bi_linear(
         cfg = planner.config(x, weight, bias)
     else:
         cfg = matmul_config(n, k, x.dtype)
+    if cfg.split_k > 1:
+        return _split_launch(x, weight, bias, out, cfg)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if not cfg.persistent:
         programs = num_tiles

@@ -154,7 +154,10 @@ class StepExecutor:
             hidden = hidden.index_select(0, self._index([row[s.seq_id] for s in seqs]))
         if not masks_started and r.structured is not None:
             masks = r.structured.masks_for(seqs)
-        logits = r.model.compute_logits(hidden)
+        # Logits in the model's dtype where the model offers them (engine/models/stack.py): the mask and the
+        # sampler take bf16 and upcast exactly, so the same ids come out without a float32 copy of the logits.
+        native = getattr(r.model, "compute_logits_native", None)
+        logits = native(hidden) if native is not None else r.model.compute_logits(hidden)
         if logits.shape[-1] > r.vocab_size:
             logits = logits[:, : r.vocab_size]
         if masks is not None:

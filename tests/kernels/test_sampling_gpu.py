@@ -1,6 +1,8 @@
 """GPU: the one-pass sampling kernel against the torch sampler at the Llama-3 shape (256 rows x 128,256),
 bitwise — the noise itself (libdevice log vs torch CUDA log), the sampled ids of temperature, greedy, mixed
-(filters, penalties, logprobs), masked and bf16 batches, and batch invariance at 1, 7, 64 and 256 rows."""
+(filters, penalties, logprobs), masked and bf16 batches, and batch invariance at 1, 7, 64 and 256 rows; at
+the Qwen2.5 vocabulary (151,936, bf16 logits sliced as the runner slices them) greedy ties, NaN and all -inf
+rows under every launch variant (split, warps) against the plain-torch reference."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.params import SamplingParams as SP
 from deepinfer.engine.sample.rng import gumbel_noise, row_keys
 from deepinfer.engine.sample.sampler import Sampler
-from deepinfer.kernels.reference.sampling import pack_row_params
+from deepinfer.kernels.reference.sampling import pack_row_params, sample_tokens_ref
 
 from tests.support.sampler_harness import MIXED
 
@@ -119,3 +121,23 @@ def test_rows_sample_the_same_at_batch_sizes_1_7_64_256():
     for n in (1, 7, 64):
         rows = sorted(rng.sample(range(S), n))
         assert run(rows) == [full[i] for i in rows], f"batch of {n}"
+
+
+@pytest.mark.parametrize("launch", [(None, None), (4096, 4), (16384, 8), (1024, 2)])
+def test_qwen_vocab_bf16_ties_nan_and_launch_variants_equal_reference(ks, launch):
+    v = 151936
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    wide = (torch.randint(-8, 8, (S, v + 64), generator=gen, device=DEV) / 4).to(torch.bfloat16)
+    x = wide[:, :v]                                  # coarse values: many exact ties; row stride != V
+    x[0] = -1.0
+    x[0, [v - 1, 1041, 17 + 2048, 9000, 17]] = 3.0   # the same lane over iterations, other chunks: 17 wins
+    x[1] = float("-inf")                             # token 0
+    x[2, [150000, 77]] = float("nan")                # the first NaN: 77
+    rng = random.Random(5)
+    temps = [0.0, 0.0, 0.0] + [rng.choice([0.0, 0.0, 0.8, -1.0]) for _ in range(S - 3)]
+    rp = pack_row_params(temps, [rng.randrange(-2**63, 2**63) for _ in range(S)],
+                         [rng.randrange(300) for _ in range(S)]).to(DEV)
+    split, warps = launch
+    got = ks.sample_tokens(x, rp, split=split, num_warps=warps)
+    assert torch.equal(got, sample_tokens_ref(x, rp))
+    assert got[:3].tolist() == [17, 0, 77]

@@ -85,6 +85,25 @@ def test_vocab_split_changes_no_result_and_multi_chunk_rows_combine_by_lowest_id
     assert whole[0].item() == 17 and whole[1].item() == 0 and whole[2].item() == 3000
 
 
+def test_ties_in_one_lane_over_iterations_and_launch_variants_keep_the_lowest_id(ks):
+    v = 4500
+    x, rp = _logits(5, v, 12), _params(5, 12)
+    rp[2] = pack_row_params([0.0] * 5, [0] * 5, [0] * 5)[2]     # greedy: the ties decide
+    x[0] = -2.0
+    x[0, [17 + 3 * 1024, 17 + 1024, 17]] = 5.0                 # one lane, three iterations: 17
+    x[1] = -2.0
+    x[1, [1041, 2065, 3000]] = 5.0                              # 1041 and 2065 share a lane: 1041
+    x[2, 4499] = float("inf")                                   # the last token, the last partial block
+    x[3, [4000, 100]] = float("nan")                            # NaN beats +inf; the first NaN wins
+    x[3, 50] = float("inf")
+    want = sample_tokens_ref(x, rp)
+    assert want[:4].tolist() == [17, 1041, 4499, 100]
+    for split, warps in [(None, None), (1024, 1), (2048, 2), (3072, 8)]:
+        assert torch.equal(ks.sample_tokens(x, rp, split=split, num_warps=warps), want), (split, warps)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        ks.sample_tokens(x, rp, split=1000)
+
+
 def test_kernel_noise_equals_rng_noise(ks):
     rp = _params(5, 11)
     rp[2] = pack_row_params([1.0] * 5, [0] * 5, [0] * 5)[2]   # all rows draw noise

@@ -1,0 +1,64 @@
+"""The fixed-order split-K path of the batch-invariant GEMM (MatmulConfig.split_k > 1, kernels/matmul.py) on
+CPU under Triton's interpreter (started by test_bi_linear_split_cpu.py), tiny float32/fp16 shapes.
+
+Checks: agreement with the float64 reference (K tails, bias, more splits than k-tiles), and that the result
+is exactly ((p0 + p1) + p2) + bias where p_s is the single-chain kernel over split s's range of k-tiles:
+the partials are the same fp32 chains and the sum has one fixed order, whatever M is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.kernels.reference.matmul import bi_linear_ref
+
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
+
+skip_unless_interpreting("tests/kernels/test_bi_linear_split_cpu.py")
+
+
+@pytest.fixture(scope="module")
+def mm():
+    return interpreted_kernels("matmul", "_bi_linear_split_kernel")
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("m,n,k,split,bias,dtype", [
+    (5, 48, 96, 3, True, torch.float32),       # 3 k-tiles of 32, one each
+    (37, 80, 80, 2, False, torch.float32),     # K tail in the last split, N tail
+    (9, 32, 64, 5, True, torch.float32),       # more splits than k-tiles: empty splits add zeros
+    (19, 64, 96, 2, True, torch.float16),
+])
+def test_split_k_matches_reference(mm, m, n, k, split, bias, dtype):
+    cfg = mm.MatmulConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, split_k=split)
+    x = _rand(m, k, dtype=dtype, seed=1)
+    w = (_rand(n, k, seed=2) / k**0.5).to(dtype)
+    b = _rand(n, dtype=dtype, seed=3) if bias else None
+    out = mm.bi_linear(x, w, b, config=cfg)
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), bi_linear_ref(x, w, b).float(), atol=tol, rtol=tol)
+
+
+def test_split_k_is_the_fixed_order_sum_of_single_chain_partials(mm):
+    m, n, k, split, bk = 21, 48, 160, 3, 32          # 5 k-tiles: splits of 2, 2, 1
+    x, w, b = _rand(m, k, seed=4), _rand(n, k, seed=5) / k**0.5, _rand(n, seed=6)
+    cfg = mm.MatmulConfig(block_m=16, block_n=16, block_k=bk, num_warps=4, num_stages=2, split_k=split)
+    chain = mm.MatmulConfig(block_m=16, block_n=16, block_k=bk, num_warps=4, num_stages=2, persistent=False)
+    out = mm.bi_linear(x, w, b, config=cfg)
+    want = None
+    for lo in range(0, k, 2 * bk):
+        ks = slice(lo, lo + 2 * bk)
+        part = mm.bi_linear(x[:, ks].contiguous(), w[:, ks].contiguous(), config=chain)
+        want = part if want is None else want + part
+    assert torch.equal(out, want + b)   # (row invariance itself is checked on the GPU: the interpreter's
+    # emulated tl.dot need not be row-independent; test_bi_linear_05b_gpu.py)
+
+
+def test_split_k_config_is_checked(mm):
+    with pytest.raises(ValueError, match="split_k"):
+        mm.MatmulConfig(block_m=16, block_n=16, block_k=16, split_k=0)
