@@ -24,7 +24,9 @@ grammar state or token history, or a row of the same fill batch) instead of llgu
 adds an arm with the prefetch off (masks filled only when the step samples, the earlier behaviour; same
 outputs); `--mask-cache-ab` one with the mask cache off (every row computed by llguidance; same outputs);
 `--state-keys-ab` one with the cache keyed by token history only (no grammar-state keys, state_key.py; same
-outputs). The measured runs repeat the warm-up's requests, so by default they find the masks the earlier
+outputs); `--inline-hits-ab` one with stored masks copied by the mask worker instead of on the engine thread
+when the fill is queued (mask_slots.py; same outputs).
+The measured runs repeat the warm-up's requests, so by default they find the masks the earlier
 runs stored, also for states no other request would share (a number being written); `--cold-cache` empties
 the mask cache before every constrained run (each run then starts like the first batch of a job): the two
 bound the steady state of a job whose requests differ.
@@ -68,7 +70,8 @@ CPU_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 
 # constrained arm's speedup over it, per interleaved pair)
 AB_ARMS = {"prefetch_ab": ("json_schema_no_prefetch", "prefetch_speedup_pairs"),
            "mask_cache_ab": ("json_schema_no_mask_cache", "mask_cache_speedup_pairs"),
-           "state_keys_ab": ("json_schema_no_state_keys", "state_keys_speedup_pairs")}
+           "state_keys_ab": ("json_schema_no_state_keys", "state_keys_speedup_pairs"),
+           "inline_hits_ab": ("json_schema_no_inline_hits", "inline_hits_speedup_pairs")}
 
 
 def model_dir_for(shape: str, tokenizer: str, root: Path, cpu: bool = False) -> Path:
@@ -112,6 +115,7 @@ def set_arm(llm, arm: str, cold_cache: bool) -> None:
     m.prefetch = arm != "json_schema_no_prefetch"
     m.use_mask_cache(arm != "json_schema_no_mask_cache")
     m.state_keys = arm != "json_schema_no_state_keys"  # read when a request's grammar state is made
+    m.slots.inline_hits = arm != "json_schema_no_inline_hits"
     if cold_cache and arm != "unconstrained":
         m.slots.wait_idle()
         m.mask_cache.clear()
@@ -138,6 +142,7 @@ def mask_summary(llm, before: dict, after: dict) -> dict:
     reused = (after["mask_cache_hits"] - before["mask_cache_hits"]
               + after["mask_cache_shared"] - before["mask_cache_shared"])
     rows = after["filled_rows"] - before["filled_rows"]
+    inline = after["inline_rows"] - before["inline_rows"]
     return {"steps": steps, "rows_per_step": (after["mask_rows"] - before["mask_rows"]) / steps,
             "fill_ms_per_step": 1000 * fill / steps, "wait_ms_per_step": 1000 * wait / steps,
             "overlapped_fraction": max(0.0, 1 - wait / fill) if fill > 0 else 0.0,
@@ -146,6 +151,7 @@ def mask_summary(llm, before: dict, after: dict) -> dict:
                          "rows": _dist([float(r) for _, _, r in log])},
             "mask_cache": {"rows_filled": rows, "rows_by_copy": reused,
                            "hit_rate": reused / rows if rows else 0.0,
+                           "copied_at_submit": inline / rows if rows else 0.0,
                            "hit_rate_of_lookups": reused / lookups if lookups else 0.0,
                            "masks_kept": after["mask_cache_masks"],
                            "state_masks_kept": after["mask_cache_state_masks"],
@@ -204,6 +210,8 @@ def main() -> None:
                     help="an arm: JSON schema with the exact mask cache off (every row from llguidance)")
     ap.add_argument("--state-keys-ab", action="store_true",
                     help="an arm: JSON schema with the mask cache keyed by token history only")
+    ap.add_argument("--inline-hits-ab", action="store_true",
+                    help="an arm: JSON schema with stored masks copied by the mask worker, not at submit")
     ap.add_argument("--cold-cache", action="store_true",
                     help="empty the mask cache before every constrained run")
     ap.add_argument("--profile-steps", action="store_true",

@@ -11,8 +11,11 @@ are then filled when the step samples; outputs are the same): for measuring what
 `DEEPINFER_MASK_CACHE=0` turns off the exact mask cache by token history (mask_cache.py; same masks).
 `DEEPINFER_MASK_STATE_KEYS=0` keeps JSON Schemas on token histories instead of grammar-state keys
 (state_key.py; same masks).
-`DEEPINFER_MASK_THREADS=N` sets llguidance's mask-filling threads (default: half the CPUs, at most 16), for
-sweeping it on a host: its executor does not scale with threads on every machine.
+`DEEPINFER_MASK_INLINE_HITS=0` queues every row to the mask worker, stored masks included, instead of
+copying those at once on the engine thread (mask_slots.py; same masks).
+`DEEPINFER_MASK_THREADS=N` sets llguidance's mask-filling threads (default: the CPUs this process may run
+on, at most 16; llguidance_backend.default_threads says why), for sweeping it on a host: its executor does
+not scale with threads on every machine.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class LazyStructuredOutputs:
                 prefetch=os.environ.get("DEEPINFER_MASK_PREFETCH", "1") != "0",
                 mask_cache_size=0 if os.environ.get("DEEPINFER_MASK_CACHE", "1") == "0" else 2048,
                 state_keys=os.environ.get("DEEPINFER_MASK_STATE_KEYS", "1") != "0",
+                inline_hits=os.environ.get("DEEPINFER_MASK_INLINE_HITS", "1") != "0",
             )
         return self._manager
 

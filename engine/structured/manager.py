@@ -21,8 +21,11 @@ on the first constrained request):
 Rows on the same token history share one fill (mask_cache.py: an exact cache of the masks of shared
 histories, e.g. every request's first mask and the schema's forced prefix); `mask_cache_size=0` turns it
 off (same masks, for measuring it and for the tests that compare the two). JSON Schemas with free strings
-are cached by grammar state instead (state_key.py: e.g. "12 characters into the 2nd topic"), which also
-serves rows whose histories differ; `state_keys=False` keeps them on token histories (same masks).
+or plain numbers are cached by grammar state instead (state_key.py: e.g. "12 characters into the 2nd
+topic", number_key.py: "a fraction after the integer 0"), which also serves rows whose histories differ;
+`state_keys=False` keeps them on token histories (same masks). A stored mask is copied into the row's slot
+when its fill is queued, on the engine thread (mask_slots.py, `inline_hits`); only the rest go to the
+worker.
 
 Preemption / recompute and prefix-cache hits need nothing here: a matcher advances only on tokens the
 request sampled (once each), never on recomputed or cached positions, so its state always equals "the
@@ -146,13 +149,15 @@ class StructuredOutputManager:
     prefetch: queue a request's next mask as soon as its grammar advances (off: only when the step samples;
     same masks, for measuring what the prefetch hides). mask_cache_size: masks of shared token histories
     kept (mask_cache.py; 0: off, every row computed by llguidance). state_keys: cache JSON Schemas with free
-    strings by grammar state (state_key.py; off: by token history; same masks).
+    strings or number classes by grammar state (state_key.py; off: by token history; same masks).
+    inline_hits: copy stored masks on the engine thread when a fill is queued (mask_slots.py; off: through
+    the mask worker; same masks).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  max_threads: int | None = None, *, steering: bool = True, cache_size: int = 1024,
                  max_model_len: int | None = None, prefetch: bool = True,
-                 mask_cache_size: int = 2048, state_keys: bool = True) -> None:
+                 mask_cache_size: int = 2048, state_keys: bool = True, inline_hits: bool = True) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: must be a positive integer")
         if max_threads is not None and max_threads < 1:
@@ -178,7 +183,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-grammar")
         # Engine requests' masks live in per-request slots, filled ahead of the step (mask_slots.py).
         self.mask_cache = MaskCache(self.backend.words, max_masks=mask_cache_size)
-        self.slots = MaskSlots(self.backend, cache=self.mask_cache if mask_cache_size > 0 else None)
+        self.slots = MaskSlots(self.backend, cache=self.mask_cache if mask_cache_size > 0 else None,
+                               inline_hits=inline_hits)
         self.wait_seconds = 0.0    # time sampling waited for fills (the part of filling not overlapped)
         self.mask_steps = 0
         self.mask_rows = 0
@@ -303,15 +309,17 @@ class StructuredOutputManager:
         fill = self.slots.fill_seconds
         return {"mask_steps": self.mask_steps, "mask_rows": self.mask_rows,
                 "fill_seconds": fill, "fill_batches": self.slots.fill_batches,
-                "filled_rows": self.slots.filled_rows,
+                "filled_rows": self.slots.filled_rows, "inline_rows": self.slots.inline_rows,
                 "wait_seconds": self.wait_seconds,
                 "overlapped_fraction": max(0.0, 1.0 - self.wait_seconds / fill) if fill > 0 else 0.0,
                 **self.mask_cache.stats()}
 
     def accept(self, state: GrammarState, token_id: int) -> bool:
         """Advance on the sampled token; False if the grammar rejects it (the matcher is then in error)."""
-        if state.fill is not None:
-            state.fill.exception()  # never advance a matcher under a fill in flight
+        fill = state.fill
+        if fill is not None:
+            if fill is not self.slots.done:  # a row copied at submit: nothing ran (skips Future's lock)
+                fill.exception()  # never advance a matcher under a fill in flight
             state.fill = None
         ok = state.matcher.accept_token(token_id)
         if state.skey is not None:

@@ -22,13 +22,18 @@ the engine thread (`step`, `leave`) and read and filled by the mask worker (`loo
 Exactness needs every move of a cached matcher to go through `step`: the manager only ever advances one by
 `accept` (the engine never rolls a matcher back; a caller that did would have to take it off the trie).
 
-Grammars with a state key (state_key.py: JSON Schemas with free strings) are keyed by grammar state instead
-of token history: the key is a hashable value, not a trie node, and its masks live in the same LRU. A state
-mask is kept once its key has been computed before (the bounded `_seen` set) or shared within a fill batch,
-so the unique states (a number being written) do not push out the recurring ones.
+Grammars with a state key (state_key.py: JSON Schemas with free strings or number classes) are keyed by
+grammar state instead of token history: the key is a hashable value, not a trie node, and its masks live in
+the same LRU. A state whose key abstracts it (a settled position, a free string's count, a number class)
+recurs by construction, so its mask is kept from its first computation; a key that ends in VERBATIM_MARK
+(the tracker is inside a value it keeps verbatim: an enum, a key, free text after an escape) is kept only
+once it has been computed before (the bounded `_seen` set) or shared within a fill batch, so unique states
+do not push out the recurring ones. (Measured, fillprobe.py steps --cold-cache: with every state key
+gated, a cold cache computed each count of a free string twice; ~half the rows computed then.)
 
-Masks are rows of one preallocated table (`table`, [max_masks, words], made on the first store), so the mask
-worker copies all of a batch's hits into their slots with one gather (`lookup_rows`), not row by row.
+Masks are rows of one preallocated table (`table`, [max_masks, words], made on the first store): the mask
+worker copies a batch's hits into their slots from it (`lookup_rows`), the engine thread a hit at submit
+(`copy_stored`).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class HistoryNode:
 
 
 CacheKey = HistoryNode | tuple  # a trie node, or a state key (state_key.py)
+VERBATIM_MARK = "v"  # the last element of a state key whose state may never recur (see the docstring)
 
 
 class MaskCache:
@@ -155,6 +161,22 @@ class MaskCache:
                 out.append(row)
         return out
 
+    def copy_stored(self, key: CacheKey, dst: np.ndarray) -> bool:
+        """Copy the stored mask of `key` into `dst` and count one row's hit; False (nothing counted)
+        when none is stored. Under the lock: the mask worker may evict the row meanwhile."""
+        with self._lock:
+            if isinstance(key, HistoryNode):
+                row, lru = key.row, id(key)
+            else:
+                row, lru = self._states.get(key, -1), key
+            if row < 0:
+                return False
+            np.copyto(dst, self.table[row])
+            self.lookups += 1
+            self.hits += 1
+            self._lru.move_to_end(lru)
+            return True
+
     def count_shared(self, rows: int) -> None:
         with self._lock:
             self.lookups += rows
@@ -212,7 +234,7 @@ class MaskCache:
     def _store_state(self, key: tuple, row: np.ndarray, shared: bool) -> None:
         if key in self._states:
             return
-        if not shared and key not in self._seen:
+        if not shared and key[-1] == VERBATIM_MARK and key not in self._seen:
             self._seen[key] = None
             if len(self._seen) > 4 * self.max_masks:
                 self._seen.popitem(last=False)

@@ -21,6 +21,15 @@ With a mask cache (mask_cache.py), a row whose token history (or, for grammars w
 state_key.py, whose grammar state) has a stored mask is a copy of it, and rows of one batch on the same
 history or state are filled once and copied; only the rest go to llguidance. Per batch
 the worker records its fill time and rows (`batches`), so the benchmark reports the per-step distribution.
+
+Hits are copied at `submit`, on the caller's thread (`inline_hits`), not queued. Why: the engine thread
+queues the fills inside the loop that applies a step's tokens and holds the GIL throughout it, so the
+worker only runs once the sampler blocks on the masks (measured, fillprobe.py: one worker batch per step,
+after the loop); everything queued is then on the critical path, and per row the worker's grouping,
+lookup, gather and Future cost more than the 16 KiB copy itself (once number states share keys, >= 99% of
+the steady state's rows are hits). A copy at submit needs the device to be done reading the buffer (the
+last `copied` event: complete whenever the step's ids were read, which is before any grammar advances);
+when it is not, the row is queued as before.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -44,11 +54,14 @@ _Queued = tuple[int, "LLGuidanceMatcher", "HistoryNode | tuple | None", Future]
 class MaskSlots:
     """The slot buffer, its free list and the fill queue of one StructuredOutputManager."""
 
-    def __init__(self, backend: LLGuidanceBackend, initial: int = 64, cache: MaskCache | None = None) -> None:
+    def __init__(self, backend: LLGuidanceBackend, initial: int = 64, cache: MaskCache | None = None,
+                 inline_hits: bool = True) -> None:
         self.backend = backend
         self.cache = cache
+        self.inline_hits = inline_hits  # copy stored masks at submit (off: every row through the worker)
         self._pin = torch.cuda.is_available()
         self.buffer = self._alloc(initial)
+        self._view = self.buffer.numpy()
         self._free = list(range(initial - 1, -1, -1))
         self._queue: list[_Queued] = []
         self._outstanding: set[Future] = set()
@@ -56,11 +69,20 @@ class MaskSlots:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-mask-fill")
         self._copied: torch.cuda.Event | None = None
+        self._copied_seen: torch.cuda.Event | None = None  # the last `_copied` found complete
+        self.done: Future = Future()  # the one resolved Future of every row copied at submit
+        self.done.set_result(None)
         # Counters (read by StructuredOutputManager.mask_stats).
         self.fill_seconds = 0.0     # worker time inside llguidance fills
-        self.filled_rows = 0
+        self.worker_rows = 0        # rows written by the worker (only it counts these)
+        self.inline_rows = 0        # rows copied at submit (inline_hits; only the caller's thread counts)
         self.fill_batches = 0
         self.fill_log: list[tuple[float, float, int]] = []  # (end time, seconds, rows) per batch (bounded)
+
+    @property
+    def filled_rows(self) -> int:
+        """Rows written, by the worker or copied at submit (two counters: each has one writing thread)."""
+        return self.worker_rows + self.inline_rows
 
     def _alloc(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.backend.words), -1, dtype=torch.int32, pin_memory=self._pin)
@@ -77,6 +99,7 @@ class MaskSlots:
             grown = self._alloc(2 * old.shape[0])
             grown[: old.shape[0]].copy_(old)
             self.buffer = grown
+            self._view = grown.numpy()
             self._free.extend(range(grown.shape[0] - 1, old.shape[0], -1))
             return old.shape[0]
 
@@ -99,7 +122,13 @@ class MaskSlots:
     def submit(self, slot: int, matcher: LLGuidanceMatcher,
                node: HistoryNode | tuple | None = None) -> Future:
         """Queue the fill of `slot` from `matcher`'s current state (`node`: its token history in the mask
-        cache or its state key, None when it has none); the Future resolves when the row is written."""
+        cache or its state key, None when it has none); the Future resolves when the row is written. A row
+        whose key has a stored mask is copied here and gets an already resolved Future (`inline_hits`)."""
+        cache = self.cache
+        if cache is not None and node is not None and self.inline_hits and self._device_done():
+            if cache.copy_stored(node, self._view[slot]):
+                self.inline_rows += 1
+                return self.done
         fut: Future = Future()
         with self._lock:
             self._queue.append((slot, matcher, node, fut))
@@ -109,6 +138,16 @@ class MaskSlots:
         if start:
             self._pool.submit(self._drain)
         return fut
+
+    def _device_done(self) -> bool:
+        """Whether the device has finished reading the buffer (its last copy), so rows may be written."""
+        ev = self._copied
+        if ev is None or ev is self._copied_seen:
+            return True
+        if ev.query():
+            self._copied_seen = ev
+            return True
+        return False
 
     def _drain(self) -> None:
         while True:
@@ -128,7 +167,7 @@ class MaskSlots:
                 error = e
             t1 = time.perf_counter()
             self.fill_seconds += t1 - t0
-            self.filled_rows += len(batch)
+            self.worker_rows += len(batch)
             self.fill_batches += 1
             if len(self.fill_log) < 1_000_000:
                 self.fill_log.append((t1, t1 - t0, len(batch)))
@@ -172,8 +211,9 @@ class MaskSlots:
             else:
                 compute.append((group[1], group[2]))
                 missing.append(group)
-        if dst:
-            view[dst] = cache.table[src]  # one gather for every hit of the batch
+        table = cache.table
+        for d, r in zip(dst, src):  # row by row: no temporary (a fancy-index gather copies twice)
+            np.copyto(view[d], table[r])
         self.backend.fill_bitmasks(compute, buf)
         for node, slot, _, copies in missing:
             if copies:

@@ -18,15 +18,20 @@ container's continuation whichever value it was (its end is unambiguous in JSON:
 bracket, or the byte after a scalar). (2) While a *free string* is open (`type: string` with at most
 `minLength`/`maxLength`) only its character count is kept: llguidance compiles it to `"` CHAR{min,max} `"`,
 CHAR one unescaped character (anything but `"`, `\\` and controls) or an escape, so after k complete
-characters CHAR{min-k,max-k} `"` is left, whichever characters they were. Kept verbatim where that needs
-more care: from a backslash on, the rest of that string; the pending bytes of a character split across
-tokens; everything of an open value that is not a free string (keys, numbers, enums, patterns, formats,
-subschemas off the whitelist). A byte the tracker does not expect loses the key for good (the row is then
-computed). Checked against fresh llguidance fills on random walks (tests/engine/test_structured_state_key.py
-on the demo tokenizer; `benchmarks/fillprobe.py steps --check` on the 128k BPE).
+characters CHAR{min-k,max-k} `"` is left, whichever characters they were. (3) While a number of a plain
+`type: number` / `type: integer` (or a number with non-negative integer bounds) is open only its class is
+kept (number_key.py: e.g. "a fraction with >= 1 digit after the integer 0"). Kept verbatim where that
+needs more care: from a backslash on, the rest of that string; the pending bytes of a character split
+across tokens; everything of an open value that is neither (keys, other numbers, enums, patterns,
+formats, subschemas off the whitelist). An enum needs nothing more: after its first bytes what is left is
+a function of those bytes, which recur across requests. A byte the tracker does not expect loses the key
+for good (the row is then computed). Checked against fresh llguidance fills on random walks
+(tests/engine/test_structured_state_key.py and test_structured_number_key.py on the demo tokenizer;
+`benchmarks/fillprobe.py steps --check` on the 128k BPE).
 
-`plan_of(schema)` reads a schema (as compiled, after normalize.py) into the nodes below, or None when it
-has no free string (the token-history cache then stays in charge); `StateKey` follows one request's bytes.
+`plan_of(schema)` (key_plan.py) reads a schema (as compiled, after normalize.py) into its nodes, or None
+when nothing in it is abstracted (the token-history cache then stays in charge); `StateKey` follows one
+request's bytes.
 """
 
 from __future__ import annotations
@@ -34,124 +39,23 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
-                          "readOnly", "writeOnly"})
-_ROOT_ONLY = frozenset({"$schema", "$defs", "definitions"})  # $defs only serve $ref, which stays verbatim
-_OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalProperties"}) | _ANNOTATIONS
-_ARRAY_KEYS = frozenset({"type", "items", "minItems", "maxItems"}) | _ANNOTATIONS
-_FREE_KEYS = frozenset({"type", "minLength", "maxLength"}) | _ANNOTATIONS
-
-
-class FreeString:
-    """A string value whose content only counts (see the module docstring)."""
-
-    __slots__ = ("min_len", "max_len")
-
-    def __init__(self, min_len: int, max_len: int | None) -> None:
-        self.min_len = min_len
-        self.max_len = max_len
-
-
-class ObjectNode:
-    """An object with literal, known property names; values of other names are kept verbatim."""
-
-    __slots__ = ("props",)
-
-    def __init__(self, props: dict[bytes, Any]) -> None:
-        self.props = props
-
-
-class ArrayNode:
-    """An array whose items all have one node."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: Any) -> None:
-        self.items = items
-
-
-# A node is FreeString, ObjectNode, ArrayNode or None (verbatim: every byte of the value is in the key).
-
-
-def _quoted_name(name: str) -> bytes:
-    """The bytes llguidance forces for a property name between its quotes (serde_json's escaping)."""
-    out = []
-    for ch in name:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ord(ch) < 0x20:
-            return b""  # control characters: escaped differently by different encoders; never matched
-        else:
-            out.append(ch)
-    return "".join(out).encode("utf-8")
-
-
-def _node(schema: Any, root: bool = False) -> Any:
-    if not isinstance(schema, dict):
-        return None
-    keys = set(schema) - (_ROOT_ONLY if root else frozenset())
-    kind = schema.get("type")
-    if kind == "string" and keys <= _FREE_KEYS:
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
-            return FreeString(lo, hi)
-        return None
-    if kind == "object" and keys <= _OBJECT_KEYS and schema.get("additionalProperties", True) is not None:
-        props = schema.get("properties", {})
-        if not isinstance(props, dict):
-            return None
-        out = {}
-        for name, sub in props.items():
-            quoted = _quoted_name(name)
-            if quoted:
-                out[quoted] = _node(sub)
-        return ObjectNode(out)
-    if kind == "array" and keys <= _ARRAY_KEYS:
-        return ArrayNode(_node(schema.get("items")))
-    return None
-
-
-def _has_free(node: Any) -> bool:
-    if isinstance(node, FreeString):
-        return True
-    if isinstance(node, ObjectNode):
-        return any(_has_free(n) for n in node.props.values())
-    if isinstance(node, ArrayNode):
-        return _has_free(node.items)
-    return False
-
-
-def plan_of(schema: Any) -> Any:
-    """The key plan of a (prepared) JSON Schema: its root node, or None when no free string exists."""
-    try:
-        root = _node(schema, root=True)
-    except RecursionError:
-        return None
-    return root if _has_free(root) else None
-
-
-def char_counts(token_bytes: list[bytes | None]) -> list[int]:
-    """Per token id: its characters when it is only free-string text (no `"`, `\\`, controls, complete
-    UTF-8), else -1. Lets `StateKey.feed` count such a token inside a free string without a byte loop."""
-    out = []
-    special = re.compile(rb'["\\\x00-\x1f\x7f]')
-    for b in token_bytes:
-        if not b or special.search(b):
-            out.append(-1)
-            continue
-        try:
-            out.append(len(b.decode("utf-8")))
-        except UnicodeDecodeError:
-            out.append(-1)
-    return out
-
+from deepinfer.engine.structured import number_key
+from deepinfer.engine.structured.key_plan import (  # noqa: F401  (plan_of, char_counts: the module's API)
+    ArrayNode,
+    FreeString,
+    NumberNode,
+    ObjectNode,
+    char_counts,
+    plan_of,
+)
+from deepinfer.engine.structured.mask_cache import VERBATIM_MARK
 
 MAX_KEY_BYTES = 2048  # longer keys (long verbatim text) are not served: bounded memory for the cache's keys
 
 # Lexical states of the tracker.
-_VALUE, _OBJ_KEY, _KEY, _COLON, _AFTER, _VSTR, _FREE, _SCALAR, _DONE = range(9)
+_VALUE, _OBJ_KEY, _KEY, _COLON, _AFTER, _VSTR, _FREE, _SCALAR, _DONE, _NUM = range(10)
+_OPEN_VERBATIM = frozenset({_VSTR, _KEY, _SCALAR})  # inside a value kept verbatim: key ends in VERBATIM_MARK
+_NUM_MARK = "n"  # the third element of an open number's key (a free string's is its character count)
 _QUOTE, _BSLASH, _SPACE = ord('"'), ord("\\"), ord(" ")
 _DONE_VALUE = b"\x00"  # stands for a completed value's bytes (a raw NUL never occurs in JSON text)
 # Per state, the run of bytes that only extend the current lexeme (copied in bulk by StateKey.feed).
@@ -167,7 +71,7 @@ class StateKey:
     """
 
     __slots__ = ("_tag", "_raw", "_rawb", "_stack", "_state", "_expect", "_vstart", "_keybuf", "_escaped",
-                 "_free", "_count", "_pend", "_need", "_tail", "lost")
+                 "_free", "_count", "_pend", "_need", "_tail", "_numnode", "_num", "lost")
 
     def __init__(self, plan: Any, tag: str) -> None:
         self._tag = tag          # the grammar's identity (GrammarSpec.key): keys of two grammars never meet
@@ -185,6 +89,8 @@ class StateKey:
         self._pend = bytearray()  # bytes of a character split across tokens, or the verbatim tail
         self._need = 0           # continuation bytes the pending character still needs
         self._tail = False       # the open free string went verbatim (a backslash was seen)
+        self._numnode: NumberNode | None = None  # the open number's node
+        self._num: Any = None    # its class (number_key.py)
         self.lost = False
 
     @property
@@ -194,10 +100,17 @@ class StateKey:
         raw = self._rawb
         if raw is None:
             raw = self._rawb = bytes(self._raw)
-        if self._state == _FREE:
+        st = self._state
+        if st == _FREE:
             f = self._free
             count = self._count if f.max_len is not None else min(self._count, f.min_len)
+            if self._tail:  # verbatim from a backslash on: may never recur (mask_cache.VERBATIM_MARK)
+                return (self._tag, raw, count, bytes(self._pend), VERBATIM_MARK)
             return (self._tag, raw, count, bytes(self._pend))
+        if st == _NUM:  # the number's bytes are not in _raw: its class stands for them
+            return (self._tag, raw, _NUM_MARK, self._num)
+        if st in _OPEN_VERBATIM:
+            return (self._tag, raw, VERBATIM_MARK)
         return (self._tag, raw)
 
     def feed_token(self, data: bytes | None, chars: int) -> None:
@@ -239,6 +152,9 @@ class StateKey:
         st = self._state
         if st == _FREE:
             self._free_byte(b)
+            return
+        if st == _NUM:
+            self._num_byte(b)
             return
         raw = self._raw
         raw.append(b)
@@ -317,6 +233,11 @@ class StateKey:
                 self._state = _VSTR
             else:
                 self.lost = True
+        elif isinstance(node, NumberNode):
+            raw.pop()  # an open number is its class, not its bytes
+            self._vstart, self._numnode, self._num = start, node, number_key.start(node, b)
+            self._state = _NUM
+            self.lost = self._num is None
         elif node is None and (b == ord("-") or ord("0") <= b <= ord("9") or b in b"tfn"):
             self._vstart = start
             self._state = _SCALAR
@@ -390,6 +311,18 @@ class StateKey:
         elif 0xC2 <= b <= 0xF4:
             self._need = 1 if b < 0xE0 else 2 if b < 0xF0 else 3
             pend.append(b)
+        else:
+            self.lost = True
+
+    def _num_byte(self, b: int) -> None:
+        node = self._numnode
+        nxt = number_key.step(node, self._num, b)
+        if nxt is not None:
+            self._num = nxt
+        elif b in b",]} " and number_key.accepting(node, self._num):
+            self._numnode = self._num = None
+            self._end_value(self._vstart)  # a number of the plan is always settled: it collapses
+            self._byte(b)
         else:
             self.lost = True
 

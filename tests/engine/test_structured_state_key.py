@@ -15,7 +15,7 @@ from deepinfer.engine import SamplingParams
 from deepinfer.engine.models.demo import write_tokenizer_files
 from deepinfer.engine.structured.backend import GrammarSpec
 from deepinfer.engine.structured.manager import StructuredOutputManager
-from deepinfer.engine.structured.mask_cache import MaskCache
+from deepinfer.engine.structured.mask_cache import VERBATIM_MARK, MaskCache
 from deepinfer.engine.structured.normalize import prepare_json_schema
 from deepinfer.engine.structured.state_key import (
     MAX_KEY_BYTES,
@@ -52,6 +52,10 @@ SCHEMAS = {
     "optional_keys": {"type": "object", "properties": {"x": {**_S, "maxLength": 3}, "n": {"type": "integer"},
                                                        "y": {**_S, "maxLength": 4}},
                       "additionalProperties": False},
+    "numbers_only": {"type": "object", "properties": {  # number classes alone (number_key.py) make a plan
+        "a": {"type": "number"}, "r": {"type": "number", "minimum": 3, "maximum": 17},
+        "q": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "maxItems": 3}},
+        "required": ["a", "r", "q"], "additionalProperties": False},
     **{c.name: c.spec for c in JSON_SCHEMA_CASES if plan_of(prepare_json_schema(c.spec)) is not None},
 }
 
@@ -76,6 +80,30 @@ def test_equal_keys_have_identical_fresh_masks(manager, name):
     """Random walks, half of them preferring single bytes (characters split across tokens, escapes):
     whenever a row's key was met before, its fresh llguidance mask equals the first one bit for bit, and
     keys must meet across different token histories (else this would test nothing)."""
+    bad, cross = _walk(manager, name)
+    assert not bad, (name, bad[:3])
+    assert cross >= 10, (name, cross)
+
+
+def test_the_walks_catch_a_wrong_number_class(manager, monkeypatch):
+    """Taking every open unbounded number's `0` for a nonzero integer (after `0` no digit may follow,
+    after `5` any may) is wrong, and the same random walks must find masks that differ."""
+    from deepinfer.engine.structured import number_key
+
+    right = number_key.step
+
+    def wrong(node, state, b):
+        out = right(node, state, b)
+        return number_key.INT if out == number_key.ZERO and node.kind == "number" else out
+
+    monkeypatch.setattr(number_key, "step", wrong)
+    bad, _ = _walk(manager, "numbers_only")
+    assert bad
+
+
+def _walk(manager, name: str) -> tuple[list, int]:
+    """The random walks of test_equal_keys_have_identical_fresh_masks: the (key, histories) whose fresh
+    masks differ although their keys are equal, and how often a key met a different token history."""
     spec = GrammarSpec.of("json_schema", SCHEMAS[name])
     grammar = manager.compile(spec)
     assert grammar.state_plan is not None
@@ -85,7 +113,7 @@ def test_equal_keys_have_identical_fresh_masks(manager, name):
     single = [t for t, b in enumerate(manager._token_bytes) if b is not None and len(b) == 1]
     row = torch.zeros(1, be.words, dtype=torch.int32)
     seen: dict[tuple, tuple[torch.Tensor, tuple[int, ...]]] = {}
-    cross = 0
+    cross, bad = 0, []
     for walk in range(24):
         m, key, hist = be.new_matcher(grammar), StateKey(grammar.state_plan, spec.key), ()
         for _ in range(48):
@@ -95,7 +123,8 @@ def test_equal_keys_have_identical_fresh_masks(manager, name):
             k = key.key
             if k in seen:
                 first, first_hist = seen[k]
-                assert torch.equal(first, row[0]), (name, k, hist, first_hist)
+                if not torch.equal(first, row[0]):
+                    bad.append((k, hist, first_hist))
                 cross += first_hist != hist
             else:
                 seen[k] = (row[0].clone(), hist)
@@ -105,7 +134,7 @@ def test_equal_keys_have_identical_fresh_masks(manager, name):
             assert m.accept_token(tok)
             key.feed_token(manager._token_bytes[tok], chars[tok])
             hist += (tok,)
-    assert cross >= 10, (name, cross)
+    return bad, cross
 
 
 def _key(plan, *pieces: bytes) -> tuple | None:
@@ -125,10 +154,17 @@ def test_the_abstraction_on_byte_streams():
     assert _key(plan, head, "é".encode()[:1]) != _key(plan, head, "ж".encode()[:1])  # pending bytes kept
     assert _key(plan, head, b"a\\n") != _key(plan, head, b"a\\t")                  # from `\` on: verbatim
     assert _key(plan, head, b'ab", "') == _key(plan, head, b'abcdef", "')          # closed: one marker
-    # Outside free strings bytes are kept until the value completes: an open number or enum is verbatim.
-    assert _key(plan, b'{"label": "positive", "confidence": 0.2') != _key(
-        plan, b'{"label": "positive", "confidence": 0.3')
+    # An open number of [0, 1] is its class (number_key.py): the fraction digits collapse, the integer not.
+    num = b'{"label": "positive", "confidence": '
+    assert _key(plan, num, b"0.2") == _key(plan, num, b"0.", b"3871")
+    assert _key(plan, num, b"0.2") != _key(plan, num, b"1.0")
+    assert _key(plan, num, b"0.") != _key(plan, num, b"0.2") != _key(plan, num, b"0")
+    assert _key(plan, num, b"0.25, ") == _key(plan, num, b"1, ")                        # completed: a marker
+    # Outside free strings and numbers bytes are kept until the value completes: an open enum is verbatim,
+    # and its key says so (mask_cache keeps such a mask from its second computation only).
     assert _key(plan, b'{"label": "pos') != _key(plan, b'{"label": "neg')
+    assert _key(plan, b'{"label": "pos')[-1] == VERBATIM_MARK != _key(plan, head, b"ab")[-1]
+    assert _key(plan, head, b"a\\n")[-1] == VERBATIM_MARK != _key(plan, b'{"label": "positive", ')[-1]
     # A key past MAX_KEY_BYTES is not served until a completed value shortens it again.
     long = b'{"label": "' + b"p" * MAX_KEY_BYTES
     assert _key(plan, long) is None and _key(plan, long, b'", "confidence": 1') is not None
@@ -154,8 +190,12 @@ def test_plan_reads_only_plain_strings_on_plain_paths():
 
 
 def test_state_masks_kept_from_the_second_computation_in_a_bounded_lru():
+    """Verbatim states (key ends in VERBATIM_MARK) are kept from their second computation, abstracted
+    ones (they recur by construction) from their first; at most max_masks, least recently used out."""
     cache = MaskCache(words=2, max_masks=2)
-    a, b, c = ("g", b"a"), ("g", b"b"), ("g", b"c")
+    a, b, c = ("g", b"a", VERBATIM_MARK), ("g", b"b", VERBATIM_MARK), ("g", b"c", VERBATIM_MARK)
+    cache.store(("g", b"x", 3, b""), np.array([4, 4], dtype=np.int32))
+    assert cache.lookup(("g", b"x", 3, b"")).tolist() == [4, 4]   # a free string's count: kept at once
     cache.store(a, np.array([1, 1], dtype=np.int32))
     assert cache.lookup(a) is None                                  # computed once: only remembered
     cache.store(a, np.array([1, 1], dtype=np.int32))
