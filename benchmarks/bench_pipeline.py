@@ -86,6 +86,17 @@ def write_random_checkpoint(shape: str, root: Path) -> Path:
     return d
 
 
+def _checkpoint(args: argparse.Namespace, root: Path) -> Path:
+    """The random checkpoint of --shape: written under the run's temporary directory, or under
+    --checkpoint-dir (kept, and reused by later runs and by bench_load.py --model)."""
+    if args.checkpoint_dir is None:
+        return write_random_checkpoint(args.shape, root)
+    d = Path(args.checkpoint_dir) / args.shape
+    if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
+        return d
+    return write_random_checkpoint(args.shape, Path(args.checkpoint_dir))
+
+
 def write_rows(path: Path, n: int, min_words: int, max_words: int, seed: int) -> None:
     from importlib import resources
 
@@ -221,6 +232,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more profiled engine run: GPU busy fraction and host ms per decode step")
     ap.add_argument("--out", help="summary JSON here, one line per run in OUT.jsonl")
+    ap.add_argument("--checkpoint-dir", help="write (or reuse) the --shape checkpoint under this directory")
     args = ap.parse_args()
 
     out = JsonOut(args.out)
@@ -228,7 +240,7 @@ def main() -> None:
     pipeline_arms = [a for a in arms if a != "engine"]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         root = Path(tmp)
-        model_dir = args.model or str(write_random_checkpoint(args.shape, root))
+        model_dir = args.model or str(_checkpoint(args, root))
         data = root / "rows.jsonl"
         write_rows(data, args.rows, args.min_words, args.max_words, args.seed)
         results: dict[str, dict] = {}

@@ -1,8 +1,13 @@
 """Find a model directory and stream its weights to the target device.
 
-Weights come from safetensors, one tensor at a time straight onto the device (no full CPU copy). Pickle
-checkpoints (*.bin / *.pt) can run arbitrary code when loaded, so they are refused unless the caller opts
-in; even then they load with `torch.load(weights_only=True)`.
+Weights come from safetensors straight onto the device (no full CPU copy): on CUDA through big sequential
+reads into pinned buffers (safetensors_stream.py; DEEPINFER_WEIGHT_READER=safe_open selects the old
+one-tensor-at-a-time safe_open path), on CPU through safe_open. Pickle checkpoints (*.bin / *.pt) can run
+arbitrary code when loaded, so they are refused unless the caller opts in; even then they load with
+`torch.load(weights_only=True)`.
+
+torch is imported where it is used: the job driver resolves the model directory and checks its weight
+files (weight_files) without importing torch, which would cost it seconds before the output is opened.
 """
 
 from __future__ import annotations
@@ -11,18 +16,22 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from deepinfer.engine.models.config import ModelConfig
+if TYPE_CHECKING:
+    import torch
+    from deepinfer.engine.models.config import ModelConfig
 
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
+# Spelling of a dtype (config.json, the dtype argument) -> torch dtype name.
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
+WEIGHT_READER_ENV = "DEEPINFER_WEIGHT_READER"
 _EXPLICIT_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -83,6 +92,8 @@ def resolve_model_dir(model: str) -> Path:
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     """"auto" -> the checkpoint's dtype (float32 when unrecorded); or "bfloat16" / "float16" / "float32"."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16, torch.float16):
             return dtype
@@ -94,9 +105,9 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
         if name not in _DTYPES:
             raise ValueError(f"config.json dtype {cfg.torch_dtype!r} is not supported; pass dtype= one of "
                              f"{', '.join(_EXPLICIT_DTYPES)}")
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     if dtype in _EXPLICIT_DTYPES:
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     raise ValueError(f"dtype={dtype!r}: expected 'auto', {', '.join(_EXPLICIT_DTYPES)}")
 
 
@@ -143,12 +154,31 @@ def iter_weights(model_dir: str | Path, device: torch.device | str, allow_pickle
 
     The files are checked (and pickle refused) when this is called, before the first tensor is read.
     """
+    import torch
+
     kind, files = weight_files(model_dir, allow_pickle)
     return _iter_files(kind, files, torch.device(device))
 
 
+def weight_reader(device: torch.device) -> str:
+    """"stream" (safetensors_stream: pinned buffers, the default on CUDA) or "safe_open" (CPU, or
+    $DEEPINFER_WEIGHT_READER=safe_open); ValueError for another value of that variable."""
+    choice = os.environ.get(WEIGHT_READER_ENV, "").strip().lower() or None
+    if choice not in (None, "stream", "safe_open"):
+        raise ValueError(f"${WEIGHT_READER_ENV}={choice!r}: expected 'stream' or 'safe_open' (or unset)")
+    if choice is None:
+        return "stream" if device.type == "cuda" else "safe_open"
+    return choice
+
+
 def _iter_files(kind: str, files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    if kind == "safetensors":
+    import torch
+
+    if kind == "safetensors" and weight_reader(device) == "stream":
+        from deepinfer.engine.models.safetensors_stream import stream_safetensors
+
+        yield from stream_safetensors(files, device)
+    elif kind == "safetensors":
         from safetensors import safe_open
 
         for path in files:

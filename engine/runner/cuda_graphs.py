@@ -12,7 +12,10 @@ padding rows write no cache slot (input_buffers docstring). So a real row comput
 in an eager step of any size.
 
 Captured at start-up, largest bucket first, all buckets sharing one memory pool (a replay's activations are
-dead once its step's logits are computed, which the stream orders before the next replay).
+dead once its step's logits are computed, which the stream orders before the next replay); or lazily, each
+bucket on the first step that needs it ($DEEPINFER_CUDA_GRAPH_CAPTURE=lazy, which the job pipeline's engines
+use: a batch job of uniform parts needs few buckets, and capturing all of them costs seconds on a large
+model).
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ class DecodeGraphs:
         self.stats = GraphStats()
         # bucket -> (captured graph, or a stand-in with .replay(); its static output hidden states)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerReplay, torch.Tensor]] = {}
+        # Lazy capture (capture_lazily): a bucket is captured the first time a step needs it.
+        self.lazy = False
+        self._stand_ins = False   # lazily made buckets are eager stand-ins (CPU tests)
+        self._pool: object | None = None
 
     def _meta(self, b: int) -> AttentionMetadata:
         buf = self.buffers
@@ -83,6 +90,21 @@ class DecodeGraphs:
         buf = self.buffers
         return self.model(buf.input_ids[:b], buf.positions[:b], meta, self.kv_caches)
 
+    def _capture_one(self, b: int, pool: object, side: torch.cuda.Stream) -> None:
+        """Warm up bucket `b` eagerly on the buffers as they are (Triton compiles, allocator pools), then
+        capture it into `pool`."""
+        meta = self._meta(b)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(b, meta)   # warm-up outside capture: compiles kernels, fills caches
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call from another thread (a grammar worker of another engine) must not
+        # invalidate this capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            hidden = self._forward(b, meta)
+        self._graphs[b] = (graph, hidden)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up (Triton compiles, allocator pools) and capture every bucket, largest first.
@@ -97,17 +119,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
-            meta = self._meta(b)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward(b, meta)   # warm-up outside capture: compiles kernels, fills caches
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a CUDA call from another thread (a grammar worker of another engine) must not
-            # invalidate this capture.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden = self._forward(b, meta)
-            self._graphs[b] = (graph, hidden)
+            self._capture_one(b, pool, side)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.stats.buckets = list(self.buckets)
@@ -116,6 +128,37 @@ class DecodeGraphs:
         logger.info("captured %d CUDA graphs (decode batch sizes %s..%s) in %.2f s, %.1f MiB",
                     len(self.buckets), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
                     self.stats.memory_bytes / 2**20)
+
+    def capture_lazily(self, stand_ins: bool = False) -> None:
+        """Capture nothing now: each bucket is captured the first time a decode step needs it (a batch job
+        of uniform parts uses a few of the buckets; start-up capture of all of them costs seconds on a
+        large model). `stand_ins`: make eager stand-ins instead (CPU tests of the bookkeeping).
+
+        Why the bits are those of a start-up capture: the graph is the same kernels on the same static
+        buffers. Its warm-up runs on the step's real staged inputs, so it writes the step's K/V at the
+        real rows' slots; the replay that follows writes the same slots before any attention reads them,
+        so nothing the warm-up wrote is ever read."""
+        self.lazy, self._stand_ins = True, stand_ins
+
+    @torch.inference_mode()
+    def _capture_now(self, b: int) -> None:
+        t0 = time.perf_counter()
+        if self._stand_ins:
+            replay = _EagerReplay(self, b)
+            self._graphs[b] = (replay, replay.out)
+        else:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()   # torch.cuda.graph does so on entry: measure after it
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._capture_one(b, self._pool, torch.cuda.Stream(self.device))
+            torch.cuda.synchronize(self.device)
+            self.stats.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.stats.buckets = sorted(self._graphs)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        logger.info("captured the CUDA graph of decode batch size %d on first use (%.2f s)", b,
+                    time.perf_counter() - t0)
 
     @torch.inference_mode()
     def stand_in_replays(self) -> None:
@@ -128,7 +171,7 @@ class DecodeGraphs:
 
     def fits(self, out: SchedulerOutput) -> bool:
         """Whether a captured graph can run this step (pure decode, no more rows than the largest bucket)."""
-        return bool(self._graphs) and is_decode_step(out) and out.num_rows <= self.buckets[-1]
+        return (self.lazy or bool(self._graphs)) and is_decode_step(out) and out.num_rows <= self.buckets[-1]
 
     def stage(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]] | None,
               prev_ids: torch.Tensor | None, tokens: list[int] | None = None) -> int:
@@ -174,6 +217,8 @@ class DecodeGraphs:
         states [n, hidden] of its rows, a view of the graph's static output."""
         b = self.stage(out, pending_rows, prev_ids, tokens)
         n = out.num_rows
+        if b not in self._graphs:   # lazy capture: this bucket's first step (its inputs are staged)
+            self._capture_now(b)
         graph, hidden = self._graphs[b]
         graph.replay()
         self.stats.replays += 1
@@ -219,12 +264,29 @@ def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
     return device.type == "cuda" and type(model) is CausalLM   # exactly: a subclass may add host work
 
 
+CAPTURE_ENV = "DEEPINFER_CUDA_GRAPH_CAPTURE"
+
+
+def capture_mode() -> str:
+    """$DEEPINFER_CUDA_GRAPH_CAPTURE: "startup" (the default: every bucket before the first step) or
+    "lazy" (each bucket on its first use; the job pipeline's engines); ValueError for another value."""
+    import os
+
+    mode = os.environ.get(CAPTURE_ENV, "").strip().lower() or "startup"
+    if mode not in ("startup", "lazy"):
+        raise ValueError(f"${CAPTURE_ENV}={mode!r}: expected 'startup' or 'lazy'")
+    return mode
+
+
 def make_decode_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
                        max_num_seqs: int, device: torch.device, enable: bool) -> DecodeGraphs | None:
-    """Captured decode graphs when enabled, supported and not turned off by DEEPINFER_DISABLE_CUDA_GRAPHS=1;
-    else None (steps run eagerly). CPU engines always get None."""
+    """Decode graphs when enabled, supported and not turned off by DEEPINFER_DISABLE_CUDA_GRAPHS=1, captured
+    now or on first use (capture_mode); else None (steps run eagerly). CPU engines always get None."""
     if not enable or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS") or not graphs_supported(model, device):
         return None
     graphs = DecodeGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, device)
-    graphs.capture()
+    if capture_mode() == "lazy":
+        graphs.capture_lazily()
+    else:
+        graphs.capture()
     return graphs

@@ -1,7 +1,5 @@
-"""`python -m deepinfer.pipeline.cli` runs the `deepinfer-job` command."""
+"""`python -m deepinfer.pipeline.cli` runs the `deepinfer-job` command (see main.console_main)."""
 
-import sys
+from deepinfer.pipeline.cli.main import console_main
 
-from deepinfer.pipeline.cli.main import main
-
-sys.exit(main())
+console_main()

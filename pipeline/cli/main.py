@@ -15,6 +15,7 @@ Imports stay lazy: `validate` never imports torch or ray.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -261,3 +262,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def console_main() -> None:
+    """The `deepinfer-job` console command: `main`, then the process ends at once with its exit code.
+
+    When `main` returns, the command's work is on disk and closed: committed parts, `_SUCCESS`, metrics and
+    the summary JSON are written by fsynced atomic publishes (pipeline/output/storage.py) and closed before
+    the summary is printed, and a local Ray the run started is already shut down (runner.run_job). What the
+    interpreter would still do is tear down its modules (Ray's and Arrow's native state: 1-2 s measured
+    after a submit), which no output depends on. So the standard streams are flushed and the process leaves
+    with os._exit. `main` itself returns normally, so in-process callers keep their process.
+    """
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(int(code))

@@ -41,6 +41,7 @@ def _validate_output(text: str, finish: str, validator) -> tuple[str | None, tup
 # Size of a CPU engine's KV cache (GiB) instead of LLM's default 1 GiB: zeroing that takes most of a tiny
 # model's engine start, which the test suite pays in every submit it runs (tests/conftest.py sets 0.0625).
 CPU_KV_CACHE_ENV = "DEEPINFER_CPU_KV_CACHE_GIB"
+GRAPH_CAPTURE_ENV = "DEEPINFER_CUDA_GRAPH_CAPTURE"   # engine/runner/cuda_graphs.capture_mode
 
 
 def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
@@ -52,7 +53,16 @@ def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
             engine_kwargs = {**engine_kwargs, "cpu_kv_cache_gib": float(gib)}
         except ValueError:
             raise ValueError(f"{CPU_KV_CACHE_ENV}={gib!r}: expected a number of GiB, e.g. 0.25") from None
-    return LLM(model=model_ref, **engine_kwargs)
+    # A job's parts are uniform batches that decode at a few batch sizes: its engine captures each CUDA
+    # graph bucket on first use instead of all of them at start-up (seconds on a large model; the same
+    # bits, engine/runner/cuda_graphs.py). Read while the LLM is built; the user's own setting wins.
+    saved = os.environ.get(GRAPH_CAPTURE_ENV)
+    os.environ.setdefault(GRAPH_CAPTURE_ENV, "lazy")
+    try:
+        return LLM(model=model_ref, **engine_kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop(GRAPH_CAPTURE_ENV, None)
 
 
 class EngineCache:
