@@ -10,7 +10,9 @@ from deepinfer.kernels.reference.activation import silu_and_mul_ref
 from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.matmul import row_invariant_mm
 from deepinfer.kernels.reference.mla import mla_attention_ref
+from deepinfer.kernels.reference.pointwise import PIECE, VEC_TILE
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
+from deepinfer.kernels.reference.store_kv import store_kv_ref
 from deepinfer.kernels.reference.tiled_attention import (
     AttentionPlan,
     plan_attention,
@@ -49,7 +51,36 @@ class CpuInvariantOps(Ops):
         return rms_norm_ref(x, weight, eps, invariant=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_ref(x, invariant=True)
+        # silu_and_mul_ref(x, invariant=True) with one copy instead of three: the gate goes once into a
+        # fresh buffer padded to whole SIMD blocks, silu runs in place over the same PIECE-sized pieces
+        # (each on one thread, on the vectorised path), then the product. Same elements, same code path,
+        # same bits (tests/engine/test_cpu_lean_ops.py).
+        rows, inter = x.shape[0], x.shape[1] // 2
+        n = rows * inter
+        buf = x.new_empty(-(-n // VEC_TILE) * VEC_TILE)
+        buf[n:].zero_()
+        gate = buf[:n].view(rows, inter)
+        gate.copy_(x[:, :inter])
+        for i in range(0, buf.numel(), PIECE):
+            F.silu(buf[i:i + PIECE], inplace=True)
+        return gate.mul_(x[:, inter:])
+
+    def rotary_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        # Ops.rotary_store_kv in fewer passes, the same bits: x * cos + rotate_half(x) * sin, where
+        # rotate_half(x) * sin = [-x2 * s1, x1 * s2] = [x2, x1] * [-s1, s2] exactly (negation is exact and
+        # rounding symmetric), and the store as one index_copy_ per cache when every slot is real.
+        half = q.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        q, k = (_rotate(x, cos, signed_sin) for x in (q, k))
+        if k_cache.dtype != k.dtype or bool((slot_mapping < 0).any()):
+            store_kv_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+        else:
+            slots = slot_mapping.to(torch.int64)
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -63,6 +94,13 @@ class CpuInvariantOps(Ops):
                       v_scale: torch.Tensor) -> torch.Tensor:
         return tiled_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale,
                                      plan=self._attention_plan(q, k_cache, meta))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + [x2, x1] * signed_sin (x [T, H, D]; the halves swapped by one flip of a [2, D/2] view)."""
+    shape = x.shape
+    swapped = x.unflatten(-1, (2, shape[-1] // 2)).flip(-2).reshape(shape)
+    return (x * cos).add_(swapped.mul_(signed_sin))
 
 
 class CpuFastOps(Ops):

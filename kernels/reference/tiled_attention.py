@@ -262,27 +262,29 @@ def tiled_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if num_tokens == 0:
         return out
     qf = q.to(torch.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    qf = torch.cat([qf, qf.new_zeros((1, num_kv_heads, group, head_dim))])   # row num_tokens: padding
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    padded = None   # qf and a zero row (index num_tokens: padding rows of tiles), built if a tile needs it
     for c in plan.calls:
-        res = _attend_tiles(qf, c, k_flat, v_flat, scale, (k_scale, v_scale))
+        if c.in_order:   # the tiles hold exactly tokens 0..num_tokens-1: no index pass in or out
+            res = _attend_tiles(qf, c, k_cache, v_cache, scale, (k_scale, v_scale))
+            out.view(res.shape).copy_(res)
+            continue
+        if padded is None:
+            padded = torch.cat([qf, qf.new_zeros((1, num_kv_heads, group, head_dim))])
+        res = _attend_tiles(padded, c, k_cache, v_cache, scale, (k_scale, v_scale))
         res = res.reshape(-1, num_q_heads, head_dim)
-        if c.in_order:
-            out.copy_(res)
-        else:
-            out.index_copy_(0, c.dest, res[c.real].to(q.dtype))
+        out.index_copy_(0, c.dest, res[c.real].to(q.dtype))
     return out
 
 
-def _gather(flat: torch.Tensor, rows: torch.Tensor, total: int, scale: torch.Tensor | None,
-            num_kv_heads: int, span: int) -> torch.Tensor:
-    """float32 [total, D]: flat's `rows` (then zero rows), times the per-kv-head FP8 scale if given."""
-    head_dim = flat.shape[-1]
-    out = torch.empty((total, head_dim), dtype=torch.float32, device=flat.device)
+def _gather(cache: torch.Tensor, rows: torch.Tensor, total: int, scale: torch.Tensor | None,
+            span: int) -> torch.Tensor:
+    """float32 [total, D]: the flat [slots * Hkv, D] cache's `rows` (then zero rows), times the per-kv-head
+    FP8 scale if given."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    out = torch.empty((total, head_dim), dtype=torch.float32, device=cache.device)
     n = rows.shape[0]
     out[n:].zero_()
-    src = flat.reshape(-1, head_dim)
+    src = cache.view(-1, head_dim)
     if src.dtype == torch.float32:
         torch.index_select(src, 0, rows, out=out[:n])
     else:
@@ -292,21 +294,24 @@ def _gather(flat: torch.Tensor, rows: torch.Tensor, total: int, scale: torch.Ten
     return out
 
 
-def _attend_tiles(qf: torch.Tensor, c: _Calls, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float,
+def _attend_tiles(qf: torch.Tensor, c: _Calls, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                   scales: tuple) -> torch.Tensor:
-    """Attention for the tiles of one call group, over the first c.span keys: [n_t, qt, Hkv, G, D]."""
+    """Attention for the tiles of one call group, over the first c.span keys: [n_t, qt, Hkv, G, D].
+
+    qf: float32 [T (+ 1 zero row, unless c.in_order), Hkv, G, D] queries; c.idx indexes its rows."""
     _, num_kv_heads, group, head_dim = qf.shape
     qt, span, units, total = c.qt, c.span, c.units, c.total
     n_t = c.idx.shape[0] // qt
     rows = _rows(qt, group)
     n_m = n_t * num_kv_heads
-    kb = _gather(k_flat, c.rows_kv, total * span, scales[0], num_kv_heads, span).view(total, span, head_dim)
-    vb = _gather(v_flat, c.rows_kv, total * span, scales[1], num_kv_heads, span).view(total, span, head_dim)
+    kb = _gather(k_cache, c.rows_kv, total * span, scales[0], span).view(total, span, head_dim)
+    vb = _gather(v_cache, c.rows_kv, total * span, scales[1], span).view(total, span, head_dim)
     # Padding matrices and rows are never read back (rows are independent); zeroed so that no stale
     # denormal or NaN slows the BLAS down.
     a = qf.new_zeros((total, rows, head_dim))
     a[:n_m].view(n_t, num_kv_heads, rows, head_dim)[:, :, :qt * group].unflatten(2, (qt, group)).copy_(
-        qf.index_select(0, c.idx).view(n_t, qt, num_kv_heads, group, head_dim).transpose(1, 2))
+        (qf if c.in_order else qf.index_select(0, c.idx)).view(n_t, qt, num_kv_heads, group, head_dim)
+        .transpose(1, 2))
     s = _fixed_bmm(a, kb.transpose(1, 2), units, group)                               # [total, rows, span]
     s.mul_(scale)
     s[:n_m].view(n_t, num_kv_heads, rows, span).masked_fill_(c.masked, float("-inf"))
