@@ -18,34 +18,16 @@ import argparse
 import json
 
 import torch
+from fp8_gemm_timing import graph_time
 
 DEV = "cuda"
 ROWS, VOCAB = 256, 151936
 LAUNCHES = ((None, None), (8192, 8), (4096, 4), (16384, 4), (16384, 8))   # (split, warps); None: default
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """us per call of `fn` in a CUDA graph of `calls` back-to-back calls, replayed `replays` times."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+def graph_us(fn) -> float:
+    """us per call of `fn` in a CUDA graph (benchmarks/fp8_gemm_timing.py: 20 calls, median of 5 replays)."""
+    return graph_time(fn) * 1e6
 
 
 def inputs(case: str, seed: int = 0):
