@@ -30,7 +30,7 @@ from deepinfer.engine.models.quant.kv_fp8 import check_kv_layout, kv_cache_torch
 from deepinfer.engine.models.registry import build_model
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.parallel.setup import check_tensor_parallel_size, tensor_parallel_model
-from deepinfer.engine.runner.cuda_graphs import env_flag, make_decode_graphs
+from deepinfer.engine.runner.cuda_graphs import capture_mode, env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
@@ -87,15 +87,19 @@ class LLM:
         load_format: str = "auto",
         allow_pickle: bool = False,
         enable_cuda_graphs: bool = True,
+        cuda_graph_capture: str | None = None,
         async_scheduling: bool = True,
         quantization: str | None = "auto",
         kv_cache_dtype: str = "auto",
         speculative_mtp: bool | MTPConfig | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        """enable_cuda_graphs: capture decode steps as CUDA graphs at start-up (CUDA only; off with
-        DEEPINFER_DISABLE_CUDA_GRAPHS=1). async_scheduling: overlap host work with the device step
-        (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic mode.
+        """enable_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; off with
+        DEEPINFER_DISABLE_CUDA_GRAPHS=1); cuda_graph_capture: "startup" (every batch-size bucket before the
+        first step) or "lazy" (each bucket on its first use), None reads DEEPINFER_CUDA_GRAPH_CAPTURE
+        (default "startup"); the same bits either way. async_scheduling: overlap host work with the device
+        step (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic
+        mode.
         quantization: None (model dtype; FP8 checkpoints dequantized), "auto" (FP8 GEMMs for an FP8
         checkpoint on CUDA), "fp8" (also quantizes a bf16 checkpoint at load, 128x128 blocks) or
         "fp8-channel" (quantizes at load per output channel: the rowwise FP8 GEMM); see models/quant/.
@@ -105,6 +109,8 @@ class LLM:
         DEEPINFER_ENABLE_MTP_VARLEN=1. Models without an MTP layer run without it (a warning says why).
         tensor_parallel_size: shard the model over N devices (rank 0 here, ranks 1..N-1 in worker
         processes; engine/parallel/); decode steps then run without CUDA graphs."""
+        if cuda_graph_capture is not None:
+            capture_mode(cuda_graph_capture)   # a bad value fails here, also where graphs never run
         self.device = _resolve_device(device)
         self.model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -180,7 +186,8 @@ class LLM:
         scheduler = Scheduler(self.sched_cfg, self.cache_cfg, block_manager, finish_rules)
         runner = ModelRunner(self.model, kv_caches, block_size, mc.vocab_size, self.device, self._structured)
         graphs = make_decode_graphs(self.model, kv_caches, block_size, max_model_len, max_num_seqs,
-                                    self.device, enable_cuda_graphs and tensor_parallel_size == 1)
+                                    self.device, enable_cuda_graphs and tensor_parallel_size == 1,
+                                    cuda_graph_capture)
         spec_decoder = (SpecDecoder(mtp.cfg, draft, draft_cache, scheduler, runner)
                         if mtp is not None and draft is not None else None)
         self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured,

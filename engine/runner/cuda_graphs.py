@@ -267,25 +267,29 @@ def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
 CAPTURE_ENV = "DEEPINFER_CUDA_GRAPH_CAPTURE"
 
 
-def capture_mode() -> str:
-    """$DEEPINFER_CUDA_GRAPH_CAPTURE: "startup" (the default: every bucket before the first step) or
-    "lazy" (each bucket on its first use; the job pipeline's engines); ValueError for another value."""
+def capture_mode(requested: str | None = None) -> str:
+    """When decode buckets are captured: "startup" (the default: every bucket before the first step) or
+    "lazy" (each bucket on its first use; the job pipeline's engines). `requested` (LLM's
+    cuda_graph_capture) wins, else $DEEPINFER_CUDA_GRAPH_CAPTURE; ValueError for another value."""
     import os
 
-    mode = os.environ.get(CAPTURE_ENV, "").strip().lower() or "startup"
+    source = "cuda_graph_capture" if requested is not None else f"${CAPTURE_ENV}"
+    raw = requested if requested is not None else os.environ.get(CAPTURE_ENV, "")
+    mode = raw.strip().lower() or "startup"
     if mode not in ("startup", "lazy"):
-        raise ValueError(f"${CAPTURE_ENV}={mode!r}: expected 'startup' or 'lazy'")
+        raise ValueError(f"{source}={raw!r}: expected 'startup' or 'lazy'")
     return mode
 
 
 def make_decode_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
-                       max_num_seqs: int, device: torch.device, enable: bool) -> DecodeGraphs | None:
+                       max_num_seqs: int, device: torch.device, enable: bool,
+                       capture: str | None = None) -> DecodeGraphs | None:
     """Decode graphs when enabled, supported and not turned off by DEEPINFER_DISABLE_CUDA_GRAPHS=1, captured
-    now or on first use (capture_mode); else None (steps run eagerly). CPU engines always get None."""
+    now or on first use (capture_mode(capture)); else None (steps run eagerly). CPU engines get None."""
     if not enable or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS") or not graphs_supported(model, device):
         return None
     graphs = DecodeGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, device)
-    if capture_mode() == "lazy":
+    if capture_mode(capture) == "lazy":
         graphs.capture_lazily()
     else:
         graphs.capture()

@@ -55,14 +55,10 @@ def _build_llm(model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
             raise ValueError(f"{CPU_KV_CACHE_ENV}={gib!r}: expected a number of GiB, e.g. 0.25") from None
     # A job's parts are uniform batches that decode at a few batch sizes: its engine captures each CUDA
     # graph bucket on first use instead of all of them at start-up (seconds on a large model; the same
-    # bits, engine/runner/cuda_graphs.py). Read while the LLM is built; the user's own setting wins.
-    saved = os.environ.get(GRAPH_CAPTURE_ENV)
-    os.environ.setdefault(GRAPH_CAPTURE_ENV, "lazy")
-    try:
-        return LLM(model=model_ref, **engine_kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop(GRAPH_CAPTURE_ENV, None)
+    # bits, engine/runner/cuda_graphs.py). A user's own $DEEPINFER_CUDA_GRAPH_CAPTURE wins.
+    if GRAPH_CAPTURE_ENV not in os.environ and "cuda_graph_capture" not in engine_kwargs:
+        engine_kwargs = {**engine_kwargs, "cuda_graph_capture": "lazy"}
+    return LLM(model=model_ref, **engine_kwargs)
 
 
 class EngineCache:

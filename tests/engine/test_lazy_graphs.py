@@ -12,14 +12,21 @@ from deepinfer.engine import LLM
 from deepinfer.engine.runner.cuda_graphs import CAPTURE_ENV, DecodeGraphs, capture_mode
 
 
-def test_capture_mode_reads_the_environment(monkeypatch):
+def test_capture_mode_reads_the_argument_then_the_environment(monkeypatch):
     monkeypatch.delenv(CAPTURE_ENV, raising=False)
     assert capture_mode() == "startup"
     monkeypatch.setenv(CAPTURE_ENV, "Lazy")
-    assert capture_mode() == "lazy"
+    assert capture_mode() == "lazy" and capture_mode("startup") == "startup"
     monkeypatch.setenv(CAPTURE_ENV, "sometimes")
     with pytest.raises(ValueError, match=CAPTURE_ENV):
         capture_mode()
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        capture_mode("eventually")
+
+
+def test_llm_refuses_an_unknown_capture_mode(model_dir):
+    with pytest.raises(ValueError, match="cuda_graph_capture='eventually'"):
+        LLM(model=model_dir, device="cpu", cuda_graph_capture="eventually")
 
 
 def test_lazy_buckets_are_made_on_first_use_and_keep_the_eager_bits(model_dir):
@@ -54,12 +61,12 @@ def test_pipeline_engine_asks_for_lazy_capture(monkeypatch, model_dir):
 
     class Probe:
         def __init__(self, **kw) -> None:
-            seen.append(capture_mode())
+            seen.append(capture_mode(kw.get("cuda_graph_capture")))
 
     monkeypatch.delenv(CAPTURE_ENV, raising=False)
     monkeypatch.setattr("deepinfer.engine.LLM", Probe, raising=False)
     generate._build_llm(model_dir, {})
-    assert seen == ["lazy"] and CAPTURE_ENV not in __import__("os").environ   # restored after the build
+    assert seen == ["lazy"] and CAPTURE_ENV not in __import__("os").environ   # an argument, not the env
     monkeypatch.setenv(CAPTURE_ENV, "startup")   # the user's setting wins
     generate._build_llm(model_dir, {})
     assert seen[-1] == "startup"
