@@ -49,6 +49,18 @@ def _mix64(z):
 
 
 @triton.jit
+def _masked_logits(row_logits_ptr, row_words_ptr, idx, in_range, slot, HAS_MASK: tl.constexpr):
+    # The row's logits at idx as float32 (-inf out of range), -inf where the row's grammar bitmask (slot >= 0)
+    # clears the token's bit.
+    x = tl.load(row_logits_ptr + idx, mask=in_range, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        if slot >= 0:
+            words = tl.load(row_words_ptr + idx // 32, mask=in_range, other=0)
+            x = tl.where(((words >> (idx % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
 def _sample_chunk_kernel(
     logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_val_ptr, part_idx_ptr, noise_ptr,
     S, V, NUM_SPLITS, stride_logits, stride_params, stride_bitmask,
@@ -80,13 +92,8 @@ def _sample_chunk_kernel(
             for off in range(0, SPLIT, BLOCK):
                 idx = start + off + lane
                 in_range = idx < V   # out-of-range lanes load -inf: never better, never NaN
-                x = tl.load(logits_ptr + row * stride_logits + idx, mask=in_range, other=float("-inf"))
-                x = x.to(tl.float32)
-                if HAS_MASK:
-                    if slot >= 0:
-                        words = tl.load(bitmask_ptr + slot * stride_bitmask + idx // 32, mask=in_range,
-                                        other=0)
-                        x = tl.where(((words >> (idx % 32)) & 1) != 0, x, float("-inf"))
+                x = _masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
+                                   in_range, slot, HAS_MASK)
                 nan_i = tl.minimum(nan_i, tl.where(x != x, idx, 2**31 - 1))
                 better = x > best32   # false for NaN: NaNs are tracked by nan_i only
                 best_i = tl.where(better, idx, best_i)
@@ -96,13 +103,8 @@ def _sample_chunk_kernel(
             for off in range(0, SPLIT, BLOCK):
                 idx = start + off + lane
                 in_range = idx < V
-                x = tl.load(logits_ptr + row * stride_logits + idx, mask=in_range, other=float("-inf"))
-                x = x.to(tl.float32)
-                if HAS_MASK:
-                    if slot >= 0:
-                        words = tl.load(bitmask_ptr + slot * stride_bitmask + idx // 32, mask=in_range,
-                                        other=0)
-                        x = tl.where(((words >> (idx % 32)) & 1) != 0, x, float("-inf"))
+                x = _masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
+                                   in_range, slot, HAS_MASK)
                 bits = _mix64(key + (idx.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
                 u = ((bits >> 12).to(tl.int64).to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52
                 if LIBDEVICE:
