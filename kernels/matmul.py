@@ -114,11 +114,9 @@ def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | Non
     if (n, k) in _TUNED:
         return _TUNED[(n, k)]
     if n >= 8192:
-        buckets = ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
-    else:
-        mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
-        buckets = ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
-    return buckets
+        return ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
+    mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
+    return ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
 
 
 class MatmulPlanner:
