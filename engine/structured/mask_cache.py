@@ -148,10 +148,7 @@ class MaskCache:
         out = []
         with self._lock:
             for key, n in zip(keys, rows):
-                if isinstance(key, HistoryNode):
-                    row, lru = key.row, id(key)
-                else:
-                    row, lru = self._states.get(key, -1), key
+                row, lru = self._row_of(key)
                 if row >= 0:
                     self.lookups += n
                     self.hits += n
@@ -165,10 +162,7 @@ class MaskCache:
         """Copy the stored mask of `key` into `dst` and count one row's hit; False (nothing counted)
         when none is stored. Under the lock: the mask worker may evict the row meanwhile."""
         with self._lock:
-            if isinstance(key, HistoryNode):
-                row, lru = key.row, id(key)
-            else:
-                row, lru = self._states.get(key, -1), key
+            row, lru = self._row_of(key)
             if row < 0:
                 return False
             np.copyto(dst, self.table[row])
@@ -214,6 +208,12 @@ class MaskCache:
                     "mask_cache_state_masks": len(self._states), "mask_cache_nodes": self.nodes}
 
     # ---- internal (lock held) ---------------------------------------------------------------------------
+    def _row_of(self, key: CacheKey) -> tuple[int, int | tuple]:
+        """(the table row of key's stored mask or -1, key's entry in the LRU)."""
+        if isinstance(key, HistoryNode):
+            return key.row, id(key)
+        return self._states.get(key, -1), key
+
     def _put(self, mask: np.ndarray) -> int:
         """A table row holding a copy of `mask` (the least recently used mask gives its row when full)."""
         if self.table is None:
