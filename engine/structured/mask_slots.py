@@ -194,9 +194,10 @@ class MaskSlots:
             if node is None:
                 compute.append((slot, m))
                 continue
-            group = groups.get(node if isinstance(node, tuple) else id(node))
+            key = node if isinstance(node, tuple) else id(node)
+            group = groups.get(key)
             if group is None:
-                groups[node if isinstance(node, tuple) else id(node)] = [node, slot, m, []]
+                groups[key] = [node, slot, m, []]
             else:
                 group[3].append(slot)
         found = cache.lookup_rows([g[0] for g in groups.values()], [1 + len(g[3]) for g in groups.values()])
