@@ -3,22 +3,32 @@ experts, a tile sweep, and end-to-end throughput of FP8 vs bf16 in the same proc
 
 GEMMs (benchmarks/fp8_gemm_timing.py; µs per call, 20 calls captured per CUDA graph, median of 5 replays):
 cuBLAS bf16, torch._scaled_mm rowwise (the FP8 ceiling), ours block-scaled (K loops 0, 1, 2), ours rowwise
-(deterministic and fast tiles), each with the activation quantization included (`*_quant`) and alone
+(deterministic and fast tiles; alone also the single deterministic tile with pointer loads and the
+invariant planner's M-bucket tile), each with the activation quantization included (`*_quant`) and alone
 (`*_alone`), plus the quantizations alone; qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336 at M = 64, 256, 2048. MoE: the whole routed-expert op of DeepSeek-V2-Lite (64 experts, top-6,
-hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py.
+hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py (rowwise
+with pointer and TMA loads, block-scaled; M = 64 / 256 / 2048 / 8192 unless --sweep-ms; --sweep-kernels,
+--sweep-loads and --sweep-budget-s keep it short).
 Fused activation quantization (benchmarks/fp8_fused_timing.py): RMSNorm -> FP8 (K = 4096) and SiLU-and-mul
 -> FP8 (K = 14336) against the bf16 op and the op + quantize_rows, alone and with the consumer GEMM, at
 M = 64 / 256 / 2048 (part of the GEMM part; `--fused-only` runs just that table, ~1 min).
 End to end (`LLM.generate`, random weights via load_format="dummy", greedy, every request forced to its
 length, one warm-up then `--runs` measured runs, medians): Llama-3.1-8B shape, 256 prompts x 512 tokens,
 256 output tokens; DeepSeek-V2-Lite shape (benchmarks/bench_deepseek.py), 128 prompts x 512, 128 out.
+The measured runs repeat the warm-up's prompts, so prefix caching is off by default (each run prefills its
+prompts again, as a fresh job would); `--prefix-cache` keeps it on, how this benchmark ran until 2026-12-02,
+03:30 UTC (its runs then took ~97% of their prompt tokens from the cache: mostly decode). Each record counts
+`prompt_tokens_cached_last_run`.
+Each record also has the engine's GEMM planner verdicts (which weight shapes use their M-bucket tiles).
 
 On one H200 (estimates, not yet measured; each command is meant to stay under 8 minutes):
     python3 benchmarks/bench_fp8.py --json out/fp8_a.json     # GEMMs + MoE + bf16-det, fp8ch-det/fast: ~5 min
     python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8-det,fp8ch-kv8-det --json out/fp8_b.json
     python3 benchmarks/bench_fp8.py --skip-gemm --arms ds-bf16-det,ds-fp8-det,ds-fp8-fast --json out/c.json
     python3 benchmarks/bench_fp8.py --sweep --skip-e2e --json out/fp8_sweep.json   # GEMMs + sweep, ~4 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --skip-e2e --sweep --sweep-kernels rowwise --sweep-quick \
+        --sweep-budget-s 60 --json out/fp8_rowwise_sweep.json   # rowwise bucket tiles only, ~1 min
     python3 benchmarks/bench_fp8.py --fused-only --json out/fp8_fused.json    # fused quant table, ~1 min
     python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8ch-det,fp8ch-unfused-det  # ~3.5 min
     python3 benchmarks/bench_fp8.py --quick                   # CPU smoke test (about a minute)
@@ -55,6 +65,7 @@ ARMS = {
     "fp8ch-unfused-det": dict(LLAMA, quantization="fp8-channel", deterministic=True,
                               env={"DEEPINFER_DISABLE_FUSED_FP8_QUANT": "1"}),
     "fp8ch-kv8-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=True),
+    "fp8ch-kv8-fast": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=False),
     "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
     "ds-bf16-det": dict(DEEPSEEK, quantization=None, deterministic=True),
     "ds-fp8-det": dict(DEEPSEEK, quantization="fp8", deterministic=True),     # FP8 experts: grouped GEMM
@@ -97,7 +108,7 @@ def _model_dir(shape: str, root: Path, quick: bool) -> Path:
     return write_shape(shape, root)
 
 
-def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
+def _run_arm(arm: str, runs: int, quick: bool, root: Path, prefix_cache: bool = False) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
     spec = dict(ARMS[arm])
@@ -118,7 +129,7 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
     try:
         llm = LLM(model=str(model_dir), dtype="bfloat16", device=dev, load_format="dummy",
                   max_model_len=prompt_len + out_len + 16, max_num_seqs=n, max_num_batched_tokens=16384,
-                  **mem, **spec)
+                  enable_prefix_caching=prefix_cache, **mem, **spec)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -141,20 +152,38 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path) -> dict:
         first = first or toks
     tokens = sum(map(len, first))
     med = statistics.median(secs)
+    planners, kv_blocks = _planner_verdicts(llm), llm.cache_cfg.num_blocks
+    # The measured runs repeat the warm-up's prompts and prefix caching is on: how much of their prefill
+    # the cache served (what the arm's time is made of).
+    cached = sum(int(getattr(o, "metrics", {}).get("num_cached_tokens", 0)) for o in outs)
     return {"part": "e2e", "arm": arm, "shape": shape, "prompts": n, "prompt_len": prompt_len,
             "out_len": out_len, "output_tokens": tokens, "seconds": secs, "seconds_median": med,
             "out_tok_s": tokens / med, "out_tok_s_min": tokens / max(secs),
             "out_tok_s_max": tokens / min(secs), "startup_s": startup,
-            "kv_blocks": llm.cache_cfg.num_blocks, "same_tokens_every_run": same}
+            "kv_blocks": kv_blocks, "same_tokens_every_run": same, "planner_verdicts": planners,
+            "prompt_tokens": n * prompt_len, "prompt_tokens_cached_last_run": cached}
 
 
-def bench_e2e(arms: list[str], runs: int, quick: bool) -> list[dict]:
+def _planner_verdicts(llm) -> dict[str, dict[str, bool]]:
+    """Per GEMM planner of the engine's ops backend (bf16 `_planner`, rowwise FP8 `_fp8_planner`), which
+    weight shapes use their M-bucket tiles (True) or one config for every M (False): whether the tuned
+    tiles were in use in the arm."""
+    ops = next((m.ops for m in llm.model.modules() if getattr(m, "ops", None) is not None), None)
+    out = {}
+    for name, attr in (("bf16", "_planner"), ("fp8_rowwise", "_fp8_planner")):
+        planner = getattr(ops, attr, None)
+        if planner is not None:
+            out[name] = planner.verdicts()
+    return out
+
+
+def bench_e2e(arms: list[str], runs: int, quick: bool, prefix_cache: bool = False) -> list[dict]:
     """Each arm in turn (its engine freed before the next); a failing arm is recorded and skipped."""
     root = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     rows = []
     for arm in arms:
         try:
-            rec = _run_arm(arm, runs, quick, root)
+            rec = _run_arm(arm, runs, quick, root, prefix_cache)
         except Exception as e:  # noqa: BLE001 - keep the other arms' figures (e.g. one arm out of memory)
             rec = {"part": "e2e", "arm": arm, "error": f"{type(e).__name__}: {e}"}
         else:
@@ -199,8 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="measured end-to-end runs per arm (>= 3)")
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"end-to-end arms, of {','.join(ARMS)}")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="end to end with prefix caching: the measured runs repeat the warm-up's prompts and "
+                         "take their KV from the cache (by default each run prefills them again)")
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM / MoE timing")
     ap.add_argument("--sweep", action="store_true", help="also the tile sweep (benchmarks/fp8_sweep.py)")
+    ap.add_argument("--sweep-ms", default="64,256,2048,8192", help="row counts the sweep times")
+    ap.add_argument("--sweep-kernels", default="rowwise,block", help="of rowwise,block")
+    ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
+    ap.add_argument("--sweep-quick", action="store_true",
+                    help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")
+    ap.add_argument("--sweep-budget-s", type=float, default=None,
+                    help="stop starting new (layer, kernel) sweeps after this many seconds")
     ap.add_argument("--fused-only", action="store_true",
                     help="only the fused activation-quantization table (benchmarks/fp8_fused_timing.py)")
     ap.add_argument("--layers", default=",".join(LLAMA_8B), help="GEMM layers, of qkv,o,gate_up,down")
@@ -236,11 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["gemm"] = _quick_gemms()
     if args.sweep and cuda:
-        from benchmarks.fp8_sweep import sweep
+        from benchmarks.fp8_sweep import KERNELS, LOADS, sweep, sweep_table
 
-        result["sweep"] = sweep(layers, MS, emit)
+        kernels = tuple(kn for kn in args.sweep_kernels.split(",") if kn)
+        loads = tuple(ld for ld in args.sweep_loads.split(",") if ld)
+        if set(kernels) - set(KERNELS) or set(loads) - set(LOADS):
+            ap.error(f"--sweep-kernels of {KERNELS}, --sweep-loads of {LOADS}")
+        sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
+        result["sweep"] = sweep(layers, sweep_ms, emit, kernels, loads, args.sweep_budget_s, args.sweep_quick)
+        print(sweep_table(result["sweep"]), flush=True)
     if not args.skip_e2e:
-        result["e2e"] = bench_e2e(arms, args.runs, args.quick)
+        result["e2e"] = bench_e2e(arms, args.runs, args.quick, args.prefix_cache)
         result["e2e_vs_bf16_det"] = _e2e_ratios(result["e2e"])
         emit({"part": "e2e-summary", **result["e2e_vs_bf16_det"]})
     result["wall_s"] = time.perf_counter() - t_start

@@ -70,6 +70,10 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
     xq_r, xs_r = fr.quantize_rows(x)
     block = fm.fp8_tile_config(None, n, k, 128)
     row = fr.rowwise_tile_config(None, n, k)
+    # The invariant planner's config for this M where the device proves the buckets equal (kernels/
+    # fp8_rowwise.RowwisePlanner), and the single config with pointer loads (before TMA).
+    bucket = next(cfg for max_m, cfg in fr.rowwise_buckets(n, k) if max_m is None or m <= max_m)
+    row_ptr = {key: v for key, v in row.items() if key not in ("TMA", "PERSISTENT")}
     bq, bs, rq, rs, rs_t = wts["block_q"], wts["block_s"], wts["row_q"], wts["row_s"], wts["row_s_t"]
 
     def scaled_mm(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,8 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
         "rowwise_det_quant": lambda: fr.fp8_rowwise_linear(x, rq, rs, invariant=True),
         "rowwise_fast_quant": lambda: fr.fp8_rowwise_linear(x, rq, rs, invariant=False),
         "rowwise_det_alone": lambda: fr.rowwise_matmul(xq_r, xs_r, rq, rs, None, x.dtype, row),
+        "rowwise_det_ptr_alone": lambda: fr.rowwise_matmul(xq_r, xs_r, rq, rs, None, x.dtype, row_ptr),
+        "rowwise_bucket_alone": lambda: fr.rowwise_matmul(xq_r, xs_r, rq, rs, None, x.dtype, bucket),
         "quant_rows": lambda: fr.quantize_rows(x),
         "quant_block": lambda: fm.quantize_act(x, 128),
     }

@@ -1,46 +1,80 @@
-"""Tile sweep for benchmarks/bench_fp8.py --sweep: every rowwise candidate (kernels/fp8_rowwise.py
-ROWWISE_CANDIDATES) and every block-scaled candidate, both K loops (kernels/fp8_matmul.py block_candidates),
-on the Llama-3.1-8B layer shapes at each M, GEMM alone on pre-quantized activations, timed in CUDA graphs.
+"""Tile sweep for benchmarks/bench_fp8.py --sweep: the rowwise candidates (kernels/fp8_rowwise.py
+ROWWISE_CANDIDATES with pointer loads, ROWWISE_TMA_CANDIDATES with TMA tile loads) and the block-scaled
+candidates, every K loop (kernels/fp8_matmul.py block_candidates), on the Llama-3.1-8B layer shapes at each
+M (decode-sized to prefill-sized, 8192 by default), GEMM alone on pre-quantized activations, timed in CUDA
+graphs.
 
 Printed per shape: the best config per M (what a fast-mode M policy would pick) and the best single config
-over all M (what the batch-invariant mode, tile a function of (N, K) only, would pick). Checked per config:
-the first 64 rows are bitwise the same at every M (the config is batch-invariant on this device); and across
-configs of a kernel: which configs give bits identical to each other (configs that agree could share one
-batch-invariant M-bucket policy, as kernels/matmul.MatmulPlanner does for bf16).
+over all M (what the batch-invariant mode without a planner would pick). Checked per config: the first 64
+rows are bitwise the same at every M (the config is batch-invariant on this device); across configs of a
+kernel: which configs give bits identical to each other (configs that agree can share one batch-invariant
+M-bucket table, as kernels/fp8_rowwise.RowwisePlanner does after proving it on the device), the best
+config per M within each such class (a bucket table to pick), and for the rowwise kernel how the current
+`rowwise_buckets` table does (its configs' class, its time per M against the best of that class).
+`budget_s` bounds the sweep's wall time: once spent, the remaining (layer, kernel) pairs are skipped and
+listed, so a GPU run of fixed length always ends with the figures measured so far.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from benchmarks.fp8_gemm_timing import _weights, graph_time
 
+KERNELS = ("rowwise", "block")
+LOADS = ("pointer", "tma")
+# `quick=True`: the rowwise tiles a bucket table would choose between (TMA, and today's pointer tile), so a
+# fixed-length GPU run can sweep M = 64 .. 8192 on every layer in well under a minute.
+QUICK_ROWWISE = ("64x64x128 w4 s4 tma", "64x128x128 w4 s4 tma", "64x128x128 w4 s4", "128x128x128 w8 s4 tma",
+                 "128x256x128 w8 s3 tma", "128x256x128 w8 s3 tma pers", "128x256x128 w8 s4 tma pers")
+
 
 def _name(cfg: dict[str, int]) -> str:
     extra = "".join(f" {k.lower()}{v}" for k, v in cfg.items() if k in ("K_LOOP", "IMPRECISE_ACC") and v)
+    loads = (" tma" + (" pers" if cfg.get("PERSISTENT") else "")) if cfg.get("TMA") else ""
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} "
-            f"s{cfg['num_stages']}{extra}")
+            f"s{cfg['num_stages']}{extra}{loads}")
 
 
-def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit) -> dict:
+def _rowwise_candidates(loads: tuple[str, ...], quick: bool) -> tuple[dict[str, int], ...]:
+    from deepinfer.kernels import fp8_rowwise as fr
+
+    cands = ((fr.ROWWISE_CANDIDATES if "pointer" in loads else ())
+             + (fr.ROWWISE_TMA_CANDIDATES if "tma" in loads else ()))
+    return tuple(c for c in cands if _name(c) in QUICK_ROWWISE) if quick else cands
+
+
+def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
+          kernels: tuple[str, ...] = KERNELS, loads: tuple[str, ...] = LOADS,
+          budget_s: float | None = None, quick: bool = False) -> dict:
+    """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
+    `quick` the short rowwise list (QUICK_ROWWISE)."""
     from deepinfer.kernels import fp8_matmul as fm
     from deepinfer.kernels import fp8_rowwise as fr
 
-    kernels = {
-        "rowwise": (fr.ROWWISE_CANDIDATES,
+    table = {
+        "rowwise": (_rowwise_candidates(loads, quick),
                     lambda xq, xs, w, cfg: fr.rowwise_matmul(xq, xs, w["row_q"], w["row_s"], None,
                                                              torch.bfloat16, cfg),
                     lambda x: fr.quantize_rows(x)),
-        "block": (fm.block_candidates(128),
+        "block": (fm.block_candidates(128, tma="tma" in loads),
                   lambda xq, xs, w, cfg: fm.block_matmul(xq, xs, w["block_q"], w["block_s"], None,
                                                          torch.bfloat16, cfg),
                   lambda x: fm.quantize_act(x, 128)),
     }
-    report: dict = {}
+    ms = tuple(sorted(ms))
+    report: dict = {"skipped_for_budget": []}
+    t0 = time.perf_counter()
     for li, (layer, (n, k)) in enumerate(layers.items()):
         wts = _weights(n, k, seed=li)
         x_all = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
-        for kname, (cands, run, quant) in kernels.items():
+        for kname in kernels:
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                report["skipped_for_budget"].append(f"{kname}/{layer}")
+                continue
+            cands, run, quant = table[kname]
             times: dict[str, dict[int, float]] = {}
             heads: dict[str, dict[int, torch.Tensor]] = {}
             failed: dict[str, str] = {}
@@ -60,8 +94,15 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit) -> dict
                     heads.setdefault(name, {})[m] = out[:min(ms)].clone()
                     emit({"part": "sweep", "kernel": kname, "layer": layer, "m": m, "config": name,
                           "us": sec * 1e6, "tflops": 2.0 * m * n * k / sec / 1e12})
-            report[f"{kname}/{layer}"] = _summarise(times, heads, failed, ms)
-            emit({"part": "sweep-summary", "kernel": kname, "layer": layer, **report[f"{kname}/{layer}"]})
+            summary = _summarise(times, heads, failed, ms)
+            if kname == "rowwise":
+                summary["bucket_table"] = _bucket_table(fr.rowwise_buckets(n, k), summary, times, ms)
+            report[f"{kname}/{layer}"] = summary
+            emit({"part": "sweep-summary", "kernel": kname, "layer": layer,
+                  **{key: v for key, v in summary.items() if key != "us"}})
+        del wts, x_all
+        torch.cuda.empty_cache()
+    report["wall_s"] = time.perf_counter() - t0
     return report
 
 
@@ -72,19 +113,67 @@ def _summarise(times: dict[str, dict[int, float]], heads: dict[str, dict[int, to
     best_single = min(complete, key=lambda c: sum(complete[c].values())) if complete else None
     invariant = {c: all(torch.equal(h[ms[0]], h[m]) for m in ms)
                  for c, h in heads.items() if len(h) == len(ms)}
-    # Configs whose bits agree with each other (at the largest M): classes of identical output.
+    # Configs whose bits agree with each other at every M: classes of identical output.
     classes: list[list[str]] = []
     for c, h in heads.items():
         if len(h) != len(ms):
             continue
         for cls in classes:
-            if torch.equal(heads[cls[0]][ms[-1]], h[ms[-1]]):
+            if all(torch.equal(heads[cls[0]][m], h[m]) for m in ms):
                 cls.append(c)
                 break
         else:
             classes.append([c])
+    # Per class, the fastest member at each M: a bucket table whose configs are known to agree here.
+    class_best = [{m: {"config": min((c for c in cls if c in complete), key=lambda c: complete[c][m]),
+                       "us": min(complete[c][m] for c in cls if c in complete)} for m in ms}
+                  if any(c in complete for c in cls) else None for cls in classes]
     return {"best_per_m": {m: {"config": c, "us": complete[c][m]} for m, c in best_per_m.items()},
             "best_single": {"config": best_single, "us": complete.get(best_single)},
             "not_invariant_across_m": sorted(c for c, ok in invariant.items() if not ok),
-            "bitwise_classes": classes, "failed": failed,
+            "bitwise_classes": classes, "best_per_m_by_class": class_best, "failed": failed,
             "us": complete}
+
+
+def _bucket_table(buckets, summary: dict, times: dict[str, dict[int, float]], ms: tuple[int, ...]) -> dict:
+    """How `rowwise_buckets` does at each swept M: its config and time, and whether all its configs fell in
+    one bitwise class (what the planner's proof checks in the engine)."""
+    from deepinfer.kernels.bucket_planner import bucket_for
+
+    names = [_name(cfg) for _, cfg in buckets]
+    cls = [c for c in summary["bitwise_classes"] if names[0] in c]
+    agree = bool(cls) and all(name in cls[0] for name in names)
+    per_m = {}
+    for m in ms:
+        name = _name(bucket_for(buckets, m))
+        best = summary["best_per_m"].get(m, {})
+        per_m[m] = {"config": name, "us": times.get(name, {}).get(m), "best_any": best.get("us"),
+                    "best_any_config": best.get("config")}
+    return {"configs": names, "agree_bitwise": agree, "per_m": per_m}
+
+
+def sweep_table(report: dict) -> str:
+    """A short text summary: per (kernel, layer), the bucket table's µs per M against the best, and the
+    fastest config per M within the bucket table's bitwise class."""
+    lines = []
+    for key, s in report.items():
+        if not isinstance(s, dict) or "best_per_m" not in s:
+            continue
+        lines.append(f"== {key}: best single {s['best_single']['config']}; "
+                     f"not invariant across M: {s['not_invariant_across_m'] or 'none'}; "
+                     f"{len(s['bitwise_classes'])} bitwise classes; failed {len(s['failed'])}")
+        for m, b in s["best_per_m"].items():
+            lines.append(f"   M={m}: best {b['config']} {b['us']:.1f} us")
+        table = s.get("bucket_table")
+        if table:
+            lines.append(f"   buckets {table['configs']} agree bitwise: {table['agree_bitwise']}")
+            for m, row in table["per_m"].items():
+                us = "n/a" if row["us"] is None else f"{row['us']:.1f}"
+                lines.append(f"   M={m}: bucket {row['config']} {us} us")
+            cls = next((i for i, c in enumerate(s["bitwise_classes"]) if table["configs"][0] in c), None)
+            if cls is not None and s["best_per_m_by_class"][cls] is not None:
+                for m, b in s["best_per_m_by_class"][cls].items():
+                    lines.append(f"   M={m}: best of the bucket class {b['config']} {b['us']:.1f} us")
+    if report.get("skipped_for_budget"):
+        lines.append(f"skipped for the time budget: {report['skipped_for_budget']}")
+    return "\n".join(lines)

@@ -2,7 +2,9 @@
 
 Modules: matmul (bi_linear), rmsnorm (rms_norm), activation (silu_and_mul), store_kv (store_kv),
 paged_attention (paged_attention, store_kv), fp8_matmul (quantize_act, fp8_linear, fp8_grouped_linear),
-fp8_rowwise (fp8_rowwise_linear, fp8_rowwise_linear_quantized), fp8_row_quant (quantize_rows),
+fp8_rowwise (fp8_rowwise_linear, fp8_rowwise_linear_quantized, RowwisePlanner), fp8_rowwise_tma and
+fp8_block_tma (the FP8 GEMMs with TMA tile loads), bucket_planner (BucketPlanner: M-bucket tiles proven
+bitwise equal on the device first), fp8_row_quant (quantize_rows),
 fp8_fused_quant (rms_norm_quant, silu_and_mul_quant: the activation quantization fused into its
 producer), fp8_moe (fp8_fused_moe), kv_fp8 (store_kv_fp8), MLA:
 store_mla, mla_proj (head_proj), mla_decode (mla_decode, split-KV), MoE:

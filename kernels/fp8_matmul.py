@@ -16,6 +16,10 @@ measured slower): 0 scales each step's dot into the accumulator right after it; 
 before step k-1's scaling (software-pipelined promotion): the same float32 operations in the same order,
 so the same bits as 0 (the sweep checks it on the device); 2 keeps two partial accumulators (even / odd
 steps, other bits, still batch-invariant).
+Tile loads: "TMA": 1 in a config fetches the e4m3 tiles by TMA descriptors (kernels/fp8_block_tma.py, K
+loops 0 and 1) where the device and operands allow, else by pointer loads: the same operations, so the same
+bits. No default config sets it yet (not measured on the device); `block_candidates(tma=True)` adds the
+TMA forms to the sweep.
 Per-channel / per-tensor weights take the rowwise kernel instead (kernels/fp8_rowwise.py).
 """
 
@@ -25,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels.fp8_block_tma import block_tma_launch
+from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_grouped_matmul", "fp8_tile_config",
@@ -102,13 +108,16 @@ def _block_cfg(bm: int, bn: int, group: int, warps: int, stages: int, k_loop: in
             "num_stages": stages, "K_LOOP": k_loop}
 
 
-def block_candidates(group: int = 128) -> tuple[dict[str, int], ...]:
+def block_candidates(group: int = 128, tma: bool = False) -> tuple[dict[str, int], ...]:
     """Tile configs a sweep compares (benchmarks/bench_fp8.py --sweep) with each K loop (K_LOOP 0: the
     default, the dot then its promotion each step; 1: the next step's dot issued before the promotion;
-    2: two partial accumulators, even and odd steps)."""
+    2: two partial accumulators, even and odd steps); `tma`: also K loops 0 and 1 with TMA tile loads."""
     shapes = ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
               (64, 256, 4, 3), (64, 64, 4, 4))
-    return tuple(_block_cfg(bm, bn, group, w, st, loop) for loop in (0, 1, 2) for bm, bn, w, st in shapes)
+    cands = tuple(_block_cfg(bm, bn, group, w, st, loop) for loop in (0, 1, 2) for bm, bn, w, st in shapes)
+    if tma:
+        cands += tuple({**c, "TMA": 1} for c in cands if c["K_LOOP"] in (0, 1))
+    return cands
 
 
 @triton.jit
@@ -269,6 +278,8 @@ def block_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weigh
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
+    if cfg.get("TMA", 0) and cfg.get("K_LOOP", 0) in (0, 1) and tma_usable(xq, weight):
+        return block_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,

@@ -10,9 +10,17 @@ pipeline runs asynchronously, like torch._scaled_mm rowwise) and both scales mul
 once in the epilogue. The math is `fp8_linear_ref` with a single K-group (kernels/reference/fp8_matmul.py).
 
 Batch invariance (`invariant=True`): the row scale is row-local (its max is exact whatever the chunking),
-the tile config is a function of (N, K) only, K is walked in increasing order with no split-K and rows past
-M read row 0 and are never stored, so a row's bits depend on neither M nor the other rows. The fast mode
-picks the tile from M too. `ROWWISE_CANDIDATES` are the tiles a sweep (benchmarks/bench_fp8.py --sweep)
+K is walked in increasing order with no split-K and rows past M read row 0 and are never stored, so a row's
+bits depend on neither M nor the other rows as long as the tile config does not depend on M. Without a
+planner the config is a function of (N, K) only. With a `RowwisePlanner` (one per engine, owned by the CUDA
+invariant ops backend) it is chosen per M bucket (`rowwise_buckets`: small tiles for decode-sized M, wide
+ones for prefill, all with BLOCK_K = 128 and the same IMPRECISE_ACC), but only for weight shapes where the
+device proved every bucket's config, TMA and pointer loads alike, gives the same bits (the scheme of
+kernels/bucket_planner.py, shared with the bf16 GEMM). The fast mode picks the tile from M freely.
+
+Tile loads: "TMA": 1 in a config fetches the tiles by TMA descriptors (kernels/fp8_rowwise_tma.py) where
+the device and the operands allow (Hopper+, 16-byte aligned rows), else by pointer loads; the same bits.
+`ROWWISE_CANDIDATES` / `ROWWISE_TMA_CANDIDATES` are the tiles a sweep (benchmarks/bench_fp8.py --sweep)
 compares on the device; `config=` runs any of them.
 """
 
@@ -22,17 +30,36 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree
 from deepinfer.kernels.fp8_matmul import grouped_tile
 from deepinfer.kernels.fp8_row_quant import quantize_rows
+from deepinfer.kernels.fp8_rowwise_tma import rowwise_tma_launch
+from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
 __all__ = ["quantize_rows", "fp8_rowwise_linear", "fp8_rowwise_linear_quantized", "rowwise_tile_config",
-           "ROWWISE_CANDIDATES"]
+           "rowwise_buckets", "RowwisePlanner", "ROWWISE_CANDIDATES", "ROWWISE_TMA_CANDIDATES"]
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, imprecise: int = 0) -> dict[str, int]:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
-            "num_stages": stages, "IMPRECISE_ACC": imprecise}
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, imprecise: int = 0, tma: int = 0,
+         persistent: int = 0) -> dict[str, int]:
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
+           "num_stages": stages, "IMPRECISE_ACC": imprecise}
+    if tma:   # TMA-only keys: absent from pointer configs, so those keep their names and cache keys
+        cfg["TMA"] = 1
+        if persistent:
+            cfg["PERSISTENT"] = 1
+    return cfg
+
+
+def _tma(cfg: dict[str, int], persistent: int = 0) -> dict[str, int]:
+    """`cfg` with TMA tile loads (and optionally the persistent tile loop)."""
+    return {**cfg, "TMA": 1, **({"PERSISTENT": 1} if persistent else {})}
+
+
+def _pointer(cfg: dict[str, int]) -> dict[str, int]:
+    """`cfg` with pointer tile loads (the same tile, one program per tile)."""
+    return {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT")}
 
 
 # Hopper candidates (smem per stage = (BLOCK_M + BLOCK_N) * BLOCK_K bytes; 228 KiB per SM on the H200).
@@ -45,21 +72,93 @@ ROWWISE_CANDIDATES: tuple[dict[str, int], ...] = (
     _cfg(128, 128, 64, 4, 6), _cfg(256, 128, 128, 8, 3), _cfg(128, 256, 128, 8, 3, imprecise=128),
     _cfg(64, 128, 128, 4, 4, imprecise=128),
 )
+# The same tiles through TMA, plus the persistent tile loop for the prefill-sized ones and narrower decode
+# tiles (only TMA ones: small tiles are where pointer loads cost the most registers).
+ROWWISE_TMA_CANDIDATES: tuple[dict[str, int], ...] = (
+    *(_tma(c) for c in ROWWISE_CANDIDATES),
+    _cfg(128, 256, 128, 8, 3, tma=1, persistent=1), _cfg(128, 256, 128, 8, 4, tma=1, persistent=1),
+    _cfg(128, 128, 128, 8, 4, tma=1, persistent=1), _cfg(64, 64, 128, 4, 4, tma=1),
+    _cfg(64, 32, 128, 4, 6, tma=1), _cfg(64, 128, 128, 4, 5, tma=1),
+)
 
 
 def rowwise_tile_config(m: int | None, n: int, k: int) -> dict[str, int]:
-    """Tile config: from (N, K) only when `m` is None (invariant), else also from M (fast).
+    """Tile config: from (N, K) only when `m` is None (invariant without a planner, and the planner's single
+    config where buckets are not proven), else also from M (fast).
 
-    Not measured yet (the defaults follow the bf16 sweep's shapes: 64-row tiles for decode-sized M, wide
-    tiles for prefill); the invariant mode uses 64 x 128 for every M, so decode batches keep enough tiles
-    to fill the GPU. benchmarks/bench_fp8.py --sweep prints the best candidate per shape.
+    The single invariant config is 64 x 128 for every M, so decode batches keep enough tiles to fill the
+    GPU; the fast mode takes `rowwise_buckets`' tile for its M (the fastest measured per M). Loads by TMA
+    where possible (same bits). benchmarks/bench_fp8.py --sweep prints the best per shape.
     """
-    del n, k  # kept in the signature: a per-shape table from the sweep returns here
-    if m is None or m <= 64:
-        return _cfg(64, 128, 128, 4, 4)
-    if m <= 256:
-        return _cfg(128, 128, 128, 8, 4)
-    return _cfg(128, 256, 128, 8, 3)
+    if m is None:
+        return _cfg(64, 128, 128, 4, 4, tma=1)
+    return bucket_for(rowwise_buckets(n, k), m)
+
+
+def rowwise_buckets(n: int, k: int) -> tuple[tuple[int | None, dict[str, int]], ...]:
+    """(max_m, config) by ascending M bucket, the last open-ended, for the invariant mode's planner and the
+    fast mode. Every bucket keeps BLOCK_K = 128 and IMPRECISE_ACC = 0, so an element is the same fp32 dot
+    chain in each; a function of the weight shape only, never of M.
+
+    Measured on the H200 (02:20 UTC sweep, `bench_fp8.py --skip-gemm --skip-e2e --sweep --sweep-kernels
+    rowwise --sweep-quick`, µs per call at M = 64 / 256 / 2048 / 8192, the single 64 x 128 config -> the
+    table): qkv 9.4 / 13.7 / 91.6 / 387 -> 8.0 / 13.7 / 76.1 / 311; o 9.2 / 9.9 / 65.3 / 269 -> 7.9 / 9.9 /
+    50.9 / 201; gate_up 33.6 / 65.5 / 480 / 2060 -> 33.6 / 53.6 / 385 / 1590; down 38.6 / 39.0 / 208 / 981
+    -> 35.8 / 38.7 / 187 / 722. All seven configs swept gave the same bits on every 8B shape. Decode-sized
+    M takes 64-row tiles (64 x 64 up to 64 rows: more tiles to fill the SMs), except the wide gate_up,
+    whose 256-row step is fastest on persistent 128 x 256 tiles; prefill takes 128 x 256 (persistent where
+    that measured faster: the wide and the long-K weights).
+    """
+    if n >= 8192:            # gate_up-like: wide output
+        return ((64, _cfg(64, 128, 128, 4, 4, tma=1)), (4096, _cfg(128, 256, 128, 8, 4, tma=1, persistent=1)),
+                (None, _cfg(128, 256, 128, 8, 3, tma=1, persistent=1)))
+    if k >= 8192:            # down-like: long K
+        return ((256, _cfg(64, 64, 128, 4, 4, tma=1)), (None, _cfg(128, 256, 128, 8, 3, tma=1, persistent=1)))
+    return ((64, _cfg(64, 64, 128, 4, 4, tma=1)), (256, _cfg(64, 128, 128, 4, 4, tma=1)),
+            (None, _cfg(128, 256, 128, 8, 3, tma=1)))
+
+
+# Rows of the planner's probe: several 64- and 128-row tiles and a ragged last one for every bucket config.
+_PROBE_ROWS = 300
+
+
+def _probe_rows(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random activation rows [_PROBE_ROWS, k], quantized: what the planner's proof multiplies (the
+    first call's own rows can be degenerate: a CUDA-graph warm-up runs on zeroed buffers)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, k, generator=gen, device=device, dtype=torch.float32) * 4
+    return quantize_rows(x.to(dtype))
+
+
+class RowwisePlanner(BucketPlanner[dict[str, int]]):
+    """`rowwise_buckets` where the device proves them bitwise equal, else `rowwise_tile_config(None, ..)`
+    for every M; one per engine (kernels/bucket_planner.py has the scheme). The proof multiplies fixed
+    random rows (`_probe_rows`) with the call's weight, scales and bias, and also runs every bucket config
+    with pointer loads, so a call whose operands TMA cannot read (and that falls back to pointer loads)
+    keeps the bits of the others."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda n, k, d: rowwise_buckets(n, k),
+                         lambda n, k, d: rowwise_tile_config(None, n, k), rowwise_matmul)
+
+    def config(self, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> dict[str, int]:
+        """The config for this call (the first call per weight shape runs the proof: probe rows times this
+        call's weight)."""
+        n, k = weight.shape
+        return self.choose(xq.shape[0], n, k, out_dtype, xq.device, xq, xs, weight, weight_scale, bias,
+                           out_dtype)
+
+    def _agree(self, *args: object) -> bool:
+        _, _, weight, weight_scale, bias, out_dtype, buckets = args
+        pq, ps = _probe_rows(weight.shape[1], weight.device, out_dtype)
+        configs: list[dict[str, int]] = []
+        for _, cfg in buckets:
+            for variant in (cfg, _pointer(cfg)):
+                if variant not in configs:
+                    configs.append(variant)
+        return outputs_agree(lambda cfg: rowwise_matmul(pq, ps, weight, weight_scale, bias, out_dtype, cfg),
+                             configs)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -117,6 +216,8 @@ def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, wei
     if m == 0 or n == 0:
         return out
     cfg = config
+    if cfg.get("TMA", 0) and tma_usable(xq, weight):
+        return rowwise_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _rowwise_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
@@ -128,25 +229,41 @@ def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, wei
     return out
 
 
+def _choose(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+            bias: torch.Tensor | None, out_dtype: torch.dtype, invariant: bool,
+            config: dict[str, int] | None, planner: RowwisePlanner | None) -> dict[str, int]:
+    if config is not None:
+        return config
+    n, k = weight.shape
+    if not invariant:
+        return rowwise_tile_config(xq.shape[0], n, k)
+    if planner is not None:
+        return planner.config(xq, xs, weight, weight_scale, bias, out_dtype)
+    return rowwise_tile_config(None, n, k)
+
+
 def fp8_rowwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *, invariant: bool = True,
-                       config: dict[str, int] | None = None) -> torch.Tensor:
+                       config: dict[str, int] | None = None,
+                       planner: RowwisePlanner | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(weight [N, K] e4m3, weight_scale [N, 1])^T (+ bias [N]) -> [M, N] in x's dtype,
-    x quantized per row on the fly. `invariant`: the batch-invariant tile config; `config` overrides it."""
+    x quantized per row on the fly. `invariant`: a batch-invariant tile config (by M bucket where `planner`
+    proved it safe, else one for every M); `config` overrides it."""
     check_tensor("x", x, ndim=2)
     m, k = x.shape
     _check_rowwise_weight(weight, weight_scale, k, x.device)
     if m == 0 or weight.shape[0] == 0:
         return torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
     xq, xs = quantize_rows(x)
-    cfg = config or rowwise_tile_config(None if invariant else m, weight.shape[0], k)
+    cfg = _choose(xq, xs, weight, weight_scale, bias, x.dtype, invariant, config, planner)
     return rowwise_matmul(xq, xs, weight, weight_scale, bias, x.dtype, cfg)
 
 
 def fp8_rowwise_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
                                  weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                                  out_dtype: torch.dtype, invariant: bool = True,
-                                 config: dict[str, int] | None = None) -> torch.Tensor:
+                                 config: dict[str, int] | None = None,
+                                 planner: RowwisePlanner | None = None) -> torch.Tensor:
     """`fp8_rowwise_linear` on rows the producing op already quantized: xq e4m3 [M, K] with float32 row
     scales xs [M, 1] (`quantize_rows`' contract, e.g. from kernels/fp8_fused_quant.py) -> [M, N] in
     `out_dtype`; bitwise `fp8_rowwise_linear(x)` when (xq, xs) == quantize_rows(x)."""
@@ -157,5 +274,7 @@ def fp8_rowwise_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: tor
         raise ValueError(f"xs: shape {tuple(xs.shape)} strides {tuple(xs.stride())}, expected ({m}, 1) "
                          "contiguous (one scale per row)")
     _check_rowwise_weight(weight, weight_scale, k, xq.device)
-    cfg = config or rowwise_tile_config(None if invariant else m, weight.shape[0], k)
+    if m == 0 or weight.shape[0] == 0:
+        return torch.empty((m, weight.shape[0]), dtype=out_dtype, device=xq.device)
+    cfg = _choose(xq, xs, weight, weight_scale, bias, out_dtype, invariant, config, planner)
     return rowwise_matmul(xq, xs, weight, weight_scale, bias, out_dtype, cfg)

@@ -18,8 +18,12 @@ planner proves it per weight shape on the device before using it: the first call
 bucket's config on that call's input and compares the results bitwise; if any differs, that shape keeps a
 single config for every M (invariance first, speed second). On the H200 all 58 configs tried with
 BLOCK_K = 64 (two sweeps, 58 and 43 configs) agreed bitwise on every Llama-3.1-8B layer shape, and every
-single-chain config of benchmarks/gemm_sweep_05b.py (15 narrow, 9 wide) on the Qwen2.5-0.5B shapes
+single-chain config of benchmarks/gemm_sweep.py (15 narrow, 9 wide) on the Qwen2.5-0.5B shapes
 (benchmarks/RESULTS.md); those shapes take configs of their own (`_TUNED`).
+
+Tile loads: the tuned configs fetch their tiles with TMA (kernels/matmul_tma.py) where the operands allow; the
+dot chain, and so the bits, are the pointer kernel's (every config of the 8B sweep agreed bitwise both ways),
+and the planner's proof covers a bucket that falls back to pointer loads like any other config.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree
+from deepinfer.kernels.gemm_parts import k_chain
+from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,9 @@ class MatmulConfig:
     # in split order by a second kernel: a fixed order (never M-dependent), but other bits than split_k=1,
     # so every M bucket of a weight must use the same split_k (like BLOCK_K). `persistent` is ignored.
     split_k: int = 1
+    # Tiles fetched by TMA descriptors (kernels/matmul_tma.py) where the device and strides allow, else by
+    # pointer loads: the same dot chain, so the same bits (proven per shape like a tile change).
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n", "block_k"):
@@ -71,20 +81,22 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if (n, k) in _TUNED:   # a tuned weight shape (below): its open-ended bucket's config
         return _TUNED[(n, k)][-1][1]
     if n >= 8192:
-        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True)
+    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True)
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False) -> MatmulConfig:
+    # Every tuned config loads its tiles by TMA where the operands allow (Hopper+): same bits, and faster
+    # on every 8B layer shape at M = 128, 256 and 8192 in the 02:00 UTC sweep of 2026-12-02.
     return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
-                        persistent=persistent)
+                        persistent=persistent, tma=True)
 
 
 # Buckets tuned for exact weight shapes (N, K) whose best tiles differ from the shape-class rule in
 # _bucket_configs: the whole (max_m, config) list, ascending, the last open-ended, all BLOCK_K = 64 and one
 # split_k. Keyed by the weight only, never by M; MatmulPlanner still proves every bucket bitwise equal on
 # the device before using them, and matmul_config (its fallback) is the open-ended one. Measured with
-# benchmarks/gemm_sweep_05b.py (H200, Qwen2.5-0.5B shapes).
+# benchmarks/gemm_sweep.py (H200, Qwen2.5-0.5B shapes).
 # us per call at M = 64 / 128 / 256, today's class rule -> the table (cuBLAS), 23:35 UTC sweep:
 # qkv 5.3/5.6/6.8 -> 4.8/4.8/5.6 (4.6/4.6/5.0); o 5.2/5.2/6.4 -> 4.5/4.5/4.6 (4.3/4.4/4.7);
 # gate_up 10.7/14.8/14.9 -> 8.6/9.9/14.9 (7.7/8.0/10.8); down 17.5/17.6/22.1 -> 14.0/14.0/14.2
@@ -104,10 +116,12 @@ def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | Non
     """(max_m, config) by ascending M bucket, the last open-ended. Every bucket keeps BLOCK_K = 64 (see the
     module docstring for why that matters).
 
-    Measured on the H200 (kernel time in CUDA graphs, Llama-3.1-8B layer shapes, benchmarks/RESULTS.md): up
-    to 128 rows, 64x64 tiles (a decode step's few row tiles times many column tiles fill the SMs); up to 256
-    rows, 64x128 tiles for weights up to 4096 wide (4 x 32 tiles for 132 SMs) and 128x128 beyond; wide
-    weights (gate_up, lm_head) take 64x256 / 128x256 tiles; prefill-sized M takes 128x256.
+    Measured on the H200 (kernel time in CUDA graphs, Llama-3.1-8B layer shapes, TMA tile loads,
+    `benchmarks/gemm_sweep.py --model llama-3.1-8b --prefill-m 8192`, benchmarks/RESULTS.md): up to 128
+    rows, 64x64 tiles with 6 stages (a decode step's few row tiles times many column tiles fill the SMs); up
+    to 256 rows the same for weights up to 4096 wide (256 tiles: one wave of two per SM) and 64x128 with 4
+    stages beyond (6144 wide: 384 tiles of 64x64 would be 1.5 waves); wide weights (gate_up, lm_head) take
+    64x256 / 128x256 tiles; prefill-sized M takes persistent 128x256, 3 stages (4 for wide weights).
     """
     if dtype == torch.float32:
         return ((None, matmul_config(n, 0, dtype)),)
@@ -115,47 +129,32 @@ def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | Non
         return _TUNED[(n, k)]
     if n >= 8192:
         return ((64, _cfg(64, 256, 4, 4)), (256, _cfg(128, 256, 8, 4)), (None, _cfg(128, 256, 8, 4, True)))
-    mid = _cfg(64, 128, 4, 5) if n <= 4096 else _cfg(128, 128, 8, 5, True)
-    return ((128, _cfg(64, 64, 4, 5)), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
+    small = _cfg(64, 64, 4, 6)
+    mid = small if n <= 4096 else _cfg(64, 128, 4, 4)
+    return ((128, small), (256, mid), (None, _cfg(128, 256, 8, 3, True)))
 
 
-class MatmulPlanner:
+class MatmulPlanner(BucketPlanner[MatmulConfig]):
     """Chooses `bi_linear`'s config by M bucket for weight shapes whose bucket configs agree bitwise.
 
     One planner per engine (the ops backend owns it). The verdict for a (N, K, dtype, device) is taken once,
     on the first call outside CUDA-graph capture, and never changes: a shape whose first call happens under
-    capture, or whose configs disagree, uses `matmul_config` for every M.
+    capture, or whose configs disagree, uses `matmul_config` for every M (kernels/bucket_planner.py).
     """
 
     def __init__(self) -> None:
-        self._verdicts: dict[tuple[int, int, torch.dtype, str], bool] = {}
+        # The module's tables are looked up per call (not bound here), as before the shared planner.
+        super().__init__(lambda n, k, d: _bucket_configs(n, k, d), lambda n, k, d: matmul_config(n, k, d),
+                         lambda x, w, b, cfg: bi_linear(x, w, b, config=cfg))
 
     def config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> MatmulConfig:
         n, k = weight.shape
-        buckets = _bucket_configs(n, k, x.dtype)
-        if len(buckets) == 1:
-            return buckets[0][1]
-        key = (n, k, x.dtype, str(x.device))
-        agree = self._verdicts.get(key)
-        if agree is None:
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            agree = False if capturing else self._agree(x, weight, bias, buckets)
-            self._verdicts[key] = agree
-        if not agree:
-            return matmul_config(n, k, x.dtype)
-        m = x.shape[0]
-        return next(cfg for max_m, cfg in buckets if max_m is None or m <= max_m)
+        return self.choose(x.shape[0], n, k, x.dtype, x.device, x, weight, bias)
 
     @staticmethod
     def _agree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                buckets: tuple[tuple[int | None, MatmulConfig], ...]) -> bool:
-        outs = [bi_linear(x, weight, bias, config=cfg) for _, cfg in buckets]
-        return all(torch.equal(outs[0], o) for o in outs[1:])
-
-    def verdicts(self) -> dict[str, bool]:
-        """Per weight shape 'NxK dtype device': whether the M-bucket configs are in use (diagnostics)."""
-        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}": v
-                for (n, k, d, dev), v in self._verdicts.items()}
+        return outputs_agree(lambda cfg: bi_linear(x, weight, bias, config=cfg), [cfg for _, cfg in buckets])
 
 
 @functools.cache
@@ -166,6 +165,19 @@ def _num_sms(device_index: int) -> int:
 # Programs of the persistent loop when running on CPU (Triton interpreter): small, so tests exercise a
 # program looping over several tiles.
 _INTERPRETER_PROGRAMS = 4
+
+
+@triton.jit
+def _grouped_offsets(tile, num_pid_m, tiles_per_group, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Row and column offsets of output tile `tile` in grouped order: GROUP_M row tiles sweep the same
+    weight columns together, for L2 reuse (both GEMM kernels' tile order)."""
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_rows
+    pid_n = (tile % tiles_per_group) // group_rows
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -185,14 +197,7 @@ def _bi_linear_kernel(
     tiles_per_group = GROUP_M * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_tiles, num_programs):
-        # Grouped order: GROUP_M row tiles sweep the same weight columns together, for L2 reuse.
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m, offs_n = _grouped_offsets(tile, num_pid_m, tiles_per_group, BLOCK_M, BLOCK_N, GROUP_M)
         # Out-of-range rows/columns read row/column 0 instead of being masked: the inner loop stays
         # mask-free and those results are never stored. A row only ever meets its own data in the dot.
         rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
@@ -200,20 +205,7 @@ def _bi_linear_kernel(
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
         w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(0, k_tiles):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                k_left = K - ki * BLOCK_K
-                a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+        acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, 0, k_tiles, stride_xk, stride_wk, EVEN_K, IEEE, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
@@ -235,14 +227,7 @@ def _bi_linear_split_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_group = GROUP_M * num_pid_n
-    group = tile // tiles_per_group
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _grouped_offsets(tile, num_pid_m, GROUP_M * num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)    # as in _bi_linear_kernel: never stored
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
@@ -251,20 +236,9 @@ def _bi_linear_split_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_first * BLOCK_K + offs_k[None, :]) * stride_xk
     w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_first * BLOCK_K + offs_k[:, None]) * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_first, k_last):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_left = K - ki * BLOCK_K
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    # The same chain as _bi_linear_kernel's (one helper), over this split's k-tiles.
+    acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_wk, EVEN_K, IEEE,
+                  BLOCK_K)
     part = part_ptr + split.to(tl.int64) * M.to(tl.int64) * N
     ptrs = part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -355,6 +329,9 @@ def bi_linear(
         programs = min(num_tiles, _num_sms(x.device.index if x.device.index is not None else 0))
     else:
         programs = min(num_tiles, _INTERPRETER_PROGRAMS)
+    if cfg.tma and tma_usable(x, weight):
+        return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+                          cfg.num_warps, cfg.num_stages, programs)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,

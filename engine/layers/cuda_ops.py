@@ -39,6 +39,9 @@ class _CudaOps(Ops):
         # Read once per backend (not per call), so one engine never mixes the two paths.
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
+        # The rowwise FP8 GEMM's M-bucket planner (kernels/fp8_rowwise.py); only the invariant backend has
+        # one (the fast mode picks tiles from M freely).
+        self._fp8_planner = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
@@ -63,9 +66,16 @@ class _CudaOps(Ops):
         # another dtype) takes the unfused composition: today's path, with the same bits.
         if not self.fused_rope or k_cache.dtype != q.dtype or cos.dtype != q.dtype:
             return super().rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return self._fused_rotary_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def _fused_rotary_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+        """The fused kernel for both cache forms (`scales`: an e4m3 cache's k_scale, v_scale): the layers'
+        cos/sin [T, 1, D] rows as the [T, D] the kernel takes."""
         rows = cos.shape[0]
         return self._rotary_store.rotary_store_kv(q, k, v, cos.reshape(rows, -1), sin.reshape(rows, -1),
-                                                  k_cache, v_cache, slot_mapping)
+                                                  k_cache, v_cache, slot_mapping, *scales)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -86,9 +96,7 @@ class _CudaOps(Ops):
         if not self.fused_rope or cos.dtype != q.dtype:
             return super().rotary_store_kv_fp8(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
                                                k_scale, v_scale)
-        rows = cos.shape[0]
-        return self._rotary_store.rotary_store_kv(q, k, v, cos.reshape(rows, -1), sin.reshape(rows, -1),
-                                                  k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return self._fused_rotary_store(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
@@ -148,12 +156,13 @@ class _CudaOps(Ops):
             from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear_quantized
 
             return fp8_rowwise_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
-                                                out_dtype=x.dtype, invariant=self.deterministic)
+                                                out_dtype=x.dtype, invariant=self.deterministic,
+                                                planner=self._fp8_planner)
         if group >= x.shape[1] and weight_scale.shape[1] == 1:
             from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear
 
             return fp8_rowwise_linear(x.contiguous(), weight, weight_scale, bias,
-                                      invariant=self.deterministic)
+                                      invariant=self.deterministic, planner=self._fp8_planner)
         from deepinfer.kernels.fp8_matmul import fp8_linear
 
         return fp8_linear(x.contiguous(), weight, weight_scale, bias, group=group,
@@ -220,6 +229,10 @@ class CudaInvariantOps(_CudaOps):
         super().__init__()
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
         self._planner = self._matmul.MatmulPlanner()
+        from deepinfer.kernels.fp8_rowwise import RowwisePlanner
+
+        # The same for the rowwise FP8 GEMM (BLOCK_K = 128 buckets), proven per weight shape likewise.
+        self._fp8_planner = RowwisePlanner()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner)

@@ -1,0 +1,37 @@
+"""The fp32 `tl.dot` chain over K that the GEMM kernels share (kernels/matmul.py's unsplit and split-K
+kernels, kernels/mla_proj.py's per-head projection).
+
+Triton inlines a jit helper into its caller, so a kernel that calls it compiles to the code it had with the
+loop written out in its body (the sm_90 PTX of every caller was compared before and after: the same
+instructions); one copy keeps the chains that must agree bitwise (matmul's split and unsplit ones) the same
+operations in the same order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_wk,
+            EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus the fp32 `tl.dot` chain over k-tiles k_first .. k_last - 1, in increasing order; x_ptrs
+    ([BLOCK_M, BLOCK_K] tiles) and w_ptrs ([BLOCK_K, BLOCK_N]) point at k-tile k_first and step BLOCK_K
+    elements along K (strides stride_xk / stride_wk). EVEN_K: K is a multiple of BLOCK_K, no mask (else the
+    K tail loads zeros). IEEE: full-precision fp32 dots (float32 inputs)."""
+    for ki in range(k_first, k_last):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_left = K - ki * BLOCK_K
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc

@@ -1,0 +1,84 @@
+"""GPU (Hopper): the block-scaled FP8 GEMM with TMA tile loads (kernels/fp8_block_tma.py, K loops 0 and 1)
+gives the pointer kernel's bits for the same config on the Llama-3.1-8B shapes, with ragged M / N, a K
+tail and bias; a TMA config with K_LOOP 2, or operands TMA cannot read, keeps pointer loads (same bits);
+the result matches the dequantizing reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+GROUP = 128
+
+
+@pytest.fixture(scope="module")
+def fm():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: the GPU tests need compiled kernels")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper-class GPU")
+    from deepinfer.kernels import fp8_matmul
+
+    return fp8_matmul
+
+
+def _weight(n: int, k: int, seed: int):
+    from deepinfer.engine.models.quant.fp8_tensor import quantize_fp8_block, row_scales
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
+    q, inv = quantize_fp8_block(w, (128, 128))
+    return q, row_scales(inv, n, k, GROUP, (128, 128))
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int, k_loop: int) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": GROUP, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, "K_LOOP": k_loop}
+
+
+CASES = [   # (M, N, K, bias, config)
+    (300, 6144, 4096, False, _cfg(64, 128, 4, 3, 0)),
+    (300, 4096, 14336, False, _cfg(64, 128, 4, 3, 1)),
+    (2048, 28672, 4096, False, _cfg(128, 128, 8, 3, 0)),
+    (64, 4096, 4096, True, _cfg(64, 64, 4, 4, 1)),
+    (513, 1000, 4224, True, _cfg(128, 256, 8, 3, 0)),     # ragged M and N; K = 33 groups
+    (77, 520, 4160, False, _cfg(64, 128, 4, 4, 1)),       # K % 128 == 64: a partial last group
+]
+
+
+@pytest.mark.parametrize("m,n,k,with_bias,cfg", CASES)
+def test_block_tma_loads_give_the_pointer_kernels_bits(fm, m, n, k, with_bias, cfg):
+    from deepinfer.kernels.fp8_block_tma import block_tma_launch
+
+    w, s = _weight(n, k, seed=n + k)
+    gen = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=gen)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=gen) if with_bias else None
+    xq, xs = fm.quantize_act(x, GROUP)
+    pointer = fm.block_matmul(xq, xs, w, s, bias, torch.bfloat16, cfg)
+    tma_cfg = {**cfg, "TMA": 1}
+    direct = block_tma_launch(xq, xs, w, s, bias, torch.empty_like(pointer), tma_cfg)
+    assert torch.equal(direct, pointer)
+    assert torch.equal(fm.block_matmul(xq, xs, w, s, bias, torch.bfloat16, tma_cfg), pointer)
+    ref = fp8_linear_ref(x.float(), w, s, None if bias is None else bias.float(), group=GROUP)
+    torch.testing.assert_close(pointer.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_k_loop_2_and_unreadable_operands_keep_pointer_loads(fm):
+    n, k = 512, 1024
+    w, s = _weight(n, k, seed=5)
+    xq, xs = fm.quantize_act(torch.randn(100, k, device=DEV, dtype=torch.bfloat16), GROUP)
+    paired = _cfg(64, 128, 4, 3, 2)
+    assert torch.equal(fm.block_matmul(xq, xs, w, s, None, torch.bfloat16, {**paired, "TMA": 1}),
+                       fm.block_matmul(xq, xs, w, s, None, torch.bfloat16, paired))
+    wide = torch.zeros(n, k + 8, device=DEV, dtype=w.dtype)      # rows of K + 8 bytes: not 16-aligned
+    wide[:, :k] = w
+    cfg = _cfg(64, 128, 4, 3, 0)
+    assert torch.equal(fm.block_matmul(xq, xs, wide[:, :k], s, None, torch.bfloat16, {**cfg, "TMA": 1}),
+                       fm.block_matmul(xq, xs, w, s, None, torch.bfloat16, cfg))

@@ -1,0 +1,75 @@
+"""GPU (Hopper, bf16): the GEMM with TMA tile loads (MatmulConfig.tma, kernels/matmul_tma.py) gives the same
+bits as the pointer-load kernel with the same tile config, for every row count, with bias, ragged M/N and
+a K that is not a multiple of BLOCK_K; operands TMA cannot read (a strided view) fall back to the pointer
+kernel and still give the same bits; the result matches the float32 reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from deepinfer.kernels.reference.matmul import bi_linear_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+CASES = [   # (M, N, K, bias, config (block_m, block_n, warps, stages, persistent))
+    (256, 4096, 4096, False, (64, 128, 4, 5, False)),
+    (200, 1152, 896, True, (64, 64, 4, 6, False)),
+    (1000, 6144, 4096, False, (128, 256, 8, 3, True)),
+    (37, 896, 4864, False, (64, 32, 4, 6, False)),
+    (513, 1000, 200, True, (128, 128, 8, 4, True)),    # ragged N and K % 64 != 0
+]
+
+
+@pytest.fixture(scope="module")
+def mm():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: the GPU tests need compiled kernels")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper-class GPU")
+    from deepinfer.kernels import matmul
+
+    return matmul
+
+
+def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(BF16)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "has_bias", "tile"), CASES)
+def test_tma_loads_give_the_pointer_kernels_bits(mm, m, n, k, has_bias, tile):
+    bm, bn, warps, stages, persistent = tile
+    cfg = mm.MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
+                          persistent=persistent)
+    tma_cfg = dataclasses.replace(cfg, tma=True)
+    x, w = _randn(m, k, seed=1), _randn(n, k, seed=2, scale=k ** -0.5)
+    b = _randn(n, seed=3) if has_bias else None
+    ref = mm.bi_linear(x, w, b, config=cfg)
+    out = mm.bi_linear(x, w, b, config=tma_cfg)
+    assert torch.equal(out, ref)
+    for rows in (1, 7, min(64, m)):
+        assert torch.equal(mm.bi_linear(x[:rows].clone(), w, b, config=tma_cfg), ref[:rows])
+    torch.testing.assert_close(out.float(), bi_linear_ref(x.float(), w.float(),
+                                                          None if b is None else b.float()),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_operands_tma_cannot_read_fall_back_with_the_same_bits(mm):
+    cfg = mm.MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, tma=True)
+    wide = _randn(64, 2 * 512 + 8, seed=4)
+    x = wide[:, 4:4 + 512]            # 8-byte offset base: not TMA-aligned
+    w = _randn(256, 512, seed=5)
+    from deepinfer.kernels.matmul_tma import tma_usable
+
+    assert not tma_usable(x, w)
+    expected = mm.bi_linear(x.contiguous(), w, config=dataclasses.replace(cfg, tma=False))
+    assert torch.equal(mm.bi_linear(x, w, config=cfg), expected)
