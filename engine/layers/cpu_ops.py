@@ -12,6 +12,7 @@ from deepinfer.kernels.reference.matmul import row_invariant_mm
 from deepinfer.kernels.reference.mla import mla_attention_ref
 from deepinfer.kernels.reference.pointwise import PIECE, VEC_TILE
 from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
+from deepinfer.kernels.reference.sdpa_attention import SdpaPlan, plan_sdpa_attention, sdpa_paged_attention
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 from deepinfer.kernels.reference.tiled_attention import (
     AttentionPlan,
@@ -30,14 +31,25 @@ class CpuInvariantOps(Ops):
     def __init__(self) -> None:
         # The attention plan of the step being run: every layer of a step has the same metadata, so the
         # tiling and its index tensors are built once per step, not once per layer (checked by value).
-        self._plan: AttentionPlan | None = None
+        self._plan: SdpaPlan | None = None
+        self._tiled_plan: AttentionPlan | None = None   # the FP8 cache's attention (tiled GEMMs)
 
     def _attention_plan(self, q: torch.Tensor, k_cache: torch.Tensor,
                         meta: AttentionMetadata) -> AttentionPlan:
         key = plan_key(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
-        plan = self._plan
+        plan = self._tiled_plan
         if plan is None or not plan.fits(meta, key):
             plan = plan_attention(meta, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], q.device)
+            self._tiled_plan = plan
+        return plan
+
+    def _sdpa_attention_plan(self, q: torch.Tensor, k_cache: torch.Tensor,
+                             meta: AttentionMetadata) -> SdpaPlan:
+        key = plan_key(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1])
+        plan = self._plan
+        if plan is None or not plan.fits(meta, key):
+            plan = plan_sdpa_attention(meta, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                                       q.device)
             self._plan = plan
         return plan
 
@@ -84,10 +96,11 @@ class CpuInvariantOps(Ops):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # GEMM tiles where this CPU's BLAS passed their probes, the canonical GEMMs one by one elsewhere:
-        # one definition of a token's bits either way (kernels/reference/tiled_attention.py).
-        return tiled_paged_attention(q, k_cache, v_cache, meta, scale,
-                                     plan=self._attention_plan(q, k_cache, meta))
+        # torch's fused SDPA kernel over each token's own key span, in batched calls where their probes
+        # passed and the canonical call one by one elsewhere: one definition of a token's bits either way
+        # (kernels/reference/sdpa_attention.py).
+        return sdpa_paged_attention(q, k_cache, v_cache, meta, scale,
+                                    plan=self._sdpa_attention_plan(q, k_cache, meta))
 
     def attention_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor,
