@@ -1,15 +1,23 @@
-"""The job pipeline's overhead on the GPU: `deepinfer-job submit` (Ray Data + engine actors) vs the engine
-alone, and length-sorted vs unsorted batches. Same rows, same model, same sampling in every arm.
+"""The job pipeline's overhead on the GPU: `deepinfer-job submit` (Ray Data + engine actors, or the
+in-process executor) vs the engine alone, and length-sorted vs unsorted batches. Same rows, same model,
+same sampling in every arm.
 
 Run on a CUDA machine (1 GPU per engine actor; --engines defaults to every visible GPU):
     python benchmarks/bench_pipeline.py --shape llama-3.2-1b --rows 4096 --out pipeline.json
     python benchmarks/bench_pipeline.py --model /models/Llama-3.1-8B-Instruct --rows 2048
+    python benchmarks/bench_pipeline.py --shape llama-3.1-8b --rows 4096 --arms engine,local,sorted
 
 Arms:
   engine    LLM.generate over all pre-tokenized prompts at once (one process, one GPU): the ceiling.
-  sorted    the full pipeline (read -> prompt -> tokenize + length sort over the whole input -> engines).
+  sorted    the full pipeline on Ray (runtime.executor=ray: read -> prompt -> tokenize + length sort over
+            the whole input -> engine actors).
   unsorted  the same with runtime.sort_window=1 (engine batches take rows in input order).
-With --engines N > 1 the pipeline arms spread over N GPUs while `engine` uses one: compare per GPU.
+  local     the sorted arm's job on the in-process executor (runtime.executor=local: one engine, no Ray;
+            parts prepared on a thread while the model loads and the previous part generates).
+With --engines N > 1 the Ray arms spread over N GPUs while `engine` uses one: compare per GPU.
+Each arm's line gives its wall time and two ratios to the engine arm: end to end (engine seconds / submit
+seconds) and while busy (engine seconds / the run summary's engine_generate_s, the engine's time inside
+its parts).
 
 Model: --shape writes a random-weight Llama-family checkpoint (safetensors, bf16) with deepinfer's demo
 tokenizer; --model uses a local checkpoint. Prompts are demo-corpus text of mixed lengths (--min-words ..
@@ -109,14 +117,16 @@ def write_rows(path: Path, n: int, min_words: int, max_words: int, seed: int) ->
             f.write(json.dumps({"id": i, "text": " ".join(words[start:start + k])}) + "\n")
 
 
-def spec_doc(model_dir: str, data: Path, out: Path, args: argparse.Namespace, sort_window: int) -> dict:
+def spec_doc(model_dir: str, data: Path, out: Path, args: argparse.Namespace, sort_window: int,
+             executor: str = "ray") -> dict:
     return {
         "model": {"path": model_dir, "dtype": "bfloat16", "max_model_len": args.max_model_len},
         "input": {"path": str(data), "format": "jsonl", "id_column": "id"},
         "prompt": {"mode": "raw", "template": "{{ text }}"},
         "sampling": {"temperature": 0.0, "max_tokens": args.output_len, "ignore_eos": True},
         "output": {"path": str(out), "format": "parquet"},
-        "runtime": {"engines": args.engines, "batch_size": args.batch_size, "sort_window": sort_window,
+        "runtime": {"executor": executor, "engines": args.engines if executor == "ray" else None,
+                    "batch_size": args.batch_size, "sort_window": sort_window,
                     "rows_per_part": args.rows_per_part, "max_num_seqs": args.max_num_seqs},
     }
 
@@ -162,7 +172,8 @@ def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace, out: 
 
 
 STARTUP_KEYS = ("driver_process_started_s", "output_opened_s", "executor_requested_s", "executor_started_s",
-                "engine_process_started_s", "engine_actor_started_s", "model_loaded_s", "engine_ready_s",
+                "engine_process_started_s", "engine_actor_started_s", "engine_imported_s", "model_loaded_s",
+                "engine_ready_s",
                 "first_part_received_s", "first_token_s", "first_commit_s", "last_result_s", "wall_s",
                 "cuda_graph_capture_s", "engine_wait_s", "engine_generate_s", "engine_commit_s")
 
@@ -173,8 +184,9 @@ def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argpars
 
     out = root / f"out-{arm}-{tag}"  # a fresh output path per run: never a resume of an earlier one
     spec = root / f"{arm}-{tag}.yaml"
-    window = args.rows if arm == "sorted" else 1
-    spec.write_text(yaml.safe_dump(spec_doc(model_dir, data, out, args, window)))
+    window = 1 if arm == "unsorted" else args.rows
+    executor = "local" if arm == "local" else "ray"
+    spec.write_text(yaml.safe_dump(spec_doc(model_dir, data, out, args, window, executor)))
     summary_path = root / f"{arm}-{tag}-summary.json"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "deepinfer.pipeline.cli", "submit", str(spec),
@@ -195,7 +207,8 @@ def run_pipeline(arm: str, model_dir: str, data: Path, root: Path, args: argpars
             "output_tokens": s["tokens"]["output"], "prompt_tokens": s["tokens"]["prompt"],
             "output_tokens_per_s": s["tokens"]["output"] / seconds, "engines": s["engines"],
             "time_to_first_token_s": s.get("time_to_first_token_s"), "startup": startup,
-            "exit_s": exit_s, "stderr": str(stderr_path) if stderr_path else None}
+            "executor": s.get("executor"), "exit_s": exit_s,
+            "stderr": str(stderr_path) if stderr_path else None}
 
 
 def startup_medians(runs: list[dict]) -> dict:
@@ -262,7 +275,8 @@ def main() -> None:
             results[arm] = {"arm": arm, "seconds": spread([r["seconds"] for r in rs]),
                             "job_wall_seconds": spread([r["job_wall_seconds"] for r in rs]),
                             "output_tokens": rs[0]["output_tokens"], "prompt_tokens": rs[0]["prompt_tokens"],
-                            "engines": rs[0]["engines"], "startup": startup_medians(rs)}
+                            "engines": rs[0]["engines"], "startup": startup_medians(rs),
+                            "executor": rs[0]["executor"]}
     for r in results.values():
         r["output_tokens_per_s"] = spread([r["output_tokens"] / s for s in r["seconds"]["runs"]])
         print(f"{r['arm']:9s} median {r['seconds']['median']:8.1f} s (min {r['seconds']['min']:.1f}, max "
@@ -276,7 +290,15 @@ def main() -> None:
     if base is not None:
         for r in results.values():
             r["vs_engine"] = r["output_tokens_per_s"]["median"] / base["output_tokens_per_s"]["median"]
-            print(f"{r['arm']:9s} {r['vs_engine']:.2f}x the engine alone (medians)")
+            line = (f"{r['arm']:9s} wall {r['seconds']['median']:.1f} s, {r['vs_engine']:.2f}x the engine "
+                    "alone end to end (medians)")
+            busy = (r.get("startup") or {}).get("engine_generate_s")
+            if busy:
+                r["vs_engine_busy"] = base["seconds"]["median"] / busy
+                line += f", {r['vs_engine_busy']:.2f}x while its engine is busy ({busy:.1f} s)"
+            if r.get("executor"):
+                line += f"; executor {r['executor']['name']} ({r['executor']['reason']})"
+            print(line, flush=True)
     out.summary({"bench": "pipeline", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "args": vars(args), "results": results})
 

@@ -40,6 +40,7 @@ from deepinfer.pipeline.stages.read import InputFile, list_input
 from deepinfer.pipeline.summary import RunStats, format_summary, utc_now, validate_summary
 
 if TYPE_CHECKING:
+    from deepinfer.pipeline.executors.choice import ExecutorChoice
     from deepinfer.pipeline.executors.ray_start import RayStarter
 
 
@@ -55,6 +56,9 @@ class SubmitOptions:
     # Replaces the spec's executor for this run (same signature as _execute): a sweep feeds its points
     # from one shared engine (sweep_run.py). None: the executor runtime.executor names.
     execute: Callable[[JobSpec, StagePlan, list[PartTask], SubmitOptions], Iterator[pa.Table]] | None = None
+    # How runtime.executor was decided when the caller already did (a sweep resolves 'auto' once for all
+    # its points, cli/main.py); used when it names the spec's executor, else run_job decides.
+    executor_choice: ExecutorChoice | None = None
 
 
 def check_model(spec: JobSpec) -> str:
@@ -97,34 +101,6 @@ def part_tasks(listing: list[InputFile], planned: list[PartSpec]) -> list[PartTa
 
 def plan_job(listing: list[InputFile], rows_per_part: int) -> list[PartSpec]:
     return plan_parts([(f.url, f.num_rows) for f in listing], rows_per_part)
-
-
-# Most duplicate rows recorded in _job.json (each ~8 bytes of JSON); a job with more (past any sane error
-# budget) repeats the id pass on resume instead of carrying a huge record.
-MAX_RECORDED_DUPLICATES = 1_000_000
-
-
-def _recordable(duplicates: dict[int, list[int]]) -> bool:
-    return sum(len(v) for v in duplicates.values()) <= MAX_RECORDED_DUPLICATES
-
-
-def stored_duplicates(spec: JobSpec) -> dict[int, list[int]] | None:
-    """The duplicate-id verdict the run that started this output recorded in _job.json; None when there
-    is none (no job yet, an older record, unreadable: the id pass then runs as on a first run)."""
-    from deepinfer.pipeline.output import storage
-    from deepinfer.pipeline.output.layout import JOB_FILE
-
-    if spec.input.id_column is None:
-        return None
-    try:
-        fs, root = storage.open_fs(spec.output.path, spec.output.storage_options)
-        data = storage.read_bytes(fs, storage.join(root, JOB_FILE))
-        found = json.loads(data)["duplicates"] if data is not None else None
-        if not isinstance(found, dict):
-            return None
-        return {int(k): [int(r) for r in v] for k, v in found.items()}
-    except Exception:  # noqa: BLE001 - best effort: JobStore.open reports real problems with the path
-        return None
 
 
 def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
@@ -200,6 +176,8 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     with the code and its reason for `status`; KeyboardInterrupt and kills leave the job *interrupted*.
     """
     stats = RunStats(rows_total=0, parts_total=0)  # its clock starts before the model and input checks
+    spec, choice = resolve_executor(spec, options)
+    stats.executor = choice.section()
     starter, attaching = None, False
     if spec.runtime.executor == "ray" and options.execute is None:  # Ray starts while the input is planned
         from deepinfer.pipeline.executors.ray_start import start_early
@@ -210,6 +188,17 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     finally:
         if starter is not None:  # after the summary: the exit code is final, Ray's shutdown is not in it
             starter.close()
+
+
+def resolve_executor(spec: JobSpec, options: SubmitOptions) -> tuple[JobSpec, ExecutorChoice]:
+    """(`spec` with runtime.executor 'local' or 'ray', how it was chosen): 'auto' is decided by
+    executors/choice.py, unless `options` carries the caller's decision for this executor."""
+    from deepinfer.pipeline.executors.choice import choose_executor, with_executor
+
+    choice = options.executor_choice
+    if choice is None or choice.name != spec.runtime.executor:
+        choice = choose_executor(spec, options.address)
+    return with_executor(spec, choice), choice
 
 
 def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, starter: RayStarter | None,
@@ -225,7 +214,12 @@ def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, start
         print("[deepinfer] runtime.benchmark_stub_engine: PIPELINE BENCHMARK MODE, no model runs; every "
               "row's text is a placeholder (this output is fingerprinted as a stub job)", file=sys.stderr)
     from deepinfer.pipeline.output.ownership import stored_rows_per_part
-    from deepinfer.pipeline.stages.dedupe import find_duplicates, with_duplicates
+    from deepinfer.pipeline.stages.dedupe import (
+        find_duplicates,
+        recordable,
+        stored_duplicates,
+        with_duplicates,
+    )
 
     # A resume keeps the split into parts of the run that started the output (rows_per_part is a
     # runtime setting and may differ between a run and its resume).
@@ -244,7 +238,7 @@ def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, start
         duplicates = find_duplicates(listing, spec.input.format, spec.input.id_column,
                                      spec.input.storage_options, on_bad_file=spec.input.on_bad_file)
     parts = with_duplicates(tasks, duplicates) if duplicates else tasks
-    record = duplicates if duplicates is not None and _recordable(duplicates) else None
+    record = duplicates if duplicates is not None and recordable(duplicates) else None
     store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart, duplicates=record)
     stats.clock.mark("output_opened")
     try:

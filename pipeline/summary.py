@@ -204,6 +204,7 @@ class RunStats:
     committed_on: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
     commit_log: list[dict[str, Any]] = field(default_factory=list)
     clock: StartupClock = field(default_factory=StartupClock)
+    executor: dict[str, str] | None = None  # executors/choice.ExecutorChoice.section(): what ran, and why
 
     def add_batch(self, batch: pa.Table) -> tuple[int, int]:
         """Count the work in a batch of ENGINE_SCHEMA rows; returns (rows, output tokens) for progress."""
@@ -293,6 +294,7 @@ class RunStats:
             "status": "succeeded" if exit_code == 0 else "error_budget_exceeded", "exit_code": exit_code,
             "deepinfer_version": __version__, "started_at": self.started_at, "finished_at": utc_now(),
             "wall_seconds": round(wall, 3), **self._startup(), "driver_peak_rss_mb": peak_rss_mb(),
+            **({"executor": dict(self.executor)} if self.executor is not None else {}),
             "startup": self.clock.section(self.start_epoch, self.first_token_epoch, self._commit_s(), wall),
             "rows": {"total": self.rows_total, "ok": self.ok_resumed + self.rows_ok + self.ok_by_others,
                      "errored": self.errored_total, "this_run": self.rows_ok + self.rows_errored,
@@ -336,6 +338,8 @@ def format_summary(s: dict) -> str:
         f"  wall time {s['wall_seconds']:.1f}s (first token {_secs(s.get('time_to_first_token_s'))}, "
         f"first commit {_secs(s.get('time_to_first_commit_s'))})",
     ]
+    if s.get("executor"):
+        lines.append(f"  executor  {s['executor']['name']} ({s['executor']['reason']})")
     up = s.get("startup") or {}
     if up.get("model_loaded_s") is not None:
         lines.append(f"  startup   engine started {_secs(up.get('engine_actor_started_s'))}, model loaded "

@@ -180,9 +180,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     options = SubmitOptions(address=args.address, restart=args.restart, verbose=args.verbose,
                             summary_json=args.summary_json)
     if spec.sweep is not None:
+        from dataclasses import replace
+
+        from deepinfer.pipeline.executors.choice import choose_executor, sweep_with_executor
         from deepinfer.pipeline.sweep import run_sweep
 
-        return run_sweep(spec, options)
+        # One decision for every point (their specs are rebuilt from the document: it names the executor)
+        choice = choose_executor(spec, args.address)
+        return run_sweep(sweep_with_executor(spec, choice), replace(options, executor_choice=choice))
     return run_job(spec, options)
 
 

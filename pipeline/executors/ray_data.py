@@ -292,7 +292,7 @@ def engine_dataset(plan: StagePlan, parts: Sequence[PartTask], session: RaySessi
     # part into the engines, mapped with batch_size=1 (stages/packed_parts.py; Ray Data refuses None
     # with GPUs): Ray Data then never merges or splits parts, so each part's results come back, and are
     # committed, on their own.
-    ds = ray.data.from_arrow([tasks_table([task]) for task in parts])
+    ds = blocks_dataset([tasks_table([task]) for task in parts])
     # At most one prepare task per engine at a time: preparing a part is far cheaper than generating it,
     # and unbounded read-ahead (4 tasks per spare CPU at 0.25 CPU each) would take the cores a CPU
     # engine needs, delaying the first commits for work that is not needed yet.
@@ -309,6 +309,17 @@ def engine_dataset(plan: StagePlan, parts: Sequence[PartTask], session: RaySessi
                                            max_tasks_in_flight_per_actor=settings.max_batches_in_flight),
     )
     return ds
+
+
+def blocks_dataset(tables: list[pa.Table]) -> ray.data.Dataset:
+    """A dataset of exactly these blocks, in order. ray.data.from_blocks computes the blocks' metadata
+    here; from_arrow (the fallback, for a Ray without from_blocks) runs a remote task per block for it
+    and waits, seconds on a Ray just started (its workers still importing Ray Data), all before the
+    engine actors can be created."""
+    import ray.data
+
+    from_blocks = getattr(ray.data, "from_blocks", None)
+    return from_blocks(tables) if from_blocks is not None else ray.data.from_arrow(tables)
 
 
 class NodeEngineActor(EngineActor):

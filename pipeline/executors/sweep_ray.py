@@ -26,6 +26,7 @@ from deepinfer.pipeline.executors.ray_data import (
     _LIGHT_CPUS,
     EngineSettings,
     RaySession,
+    blocks_dataset,
     engine_count,
     fit_engine_cpus,
     uses_gpus,
@@ -130,7 +131,7 @@ def group_dataset(plans: Mapping[str, StagePlan], tagged: Sequence[PartTask], se
     tp = first.engine_kwargs.get("tensor_parallel_size", 1)
     engines = engine_count(settings.engines, session, use_gpu, tp)
     engine_cpus = fit_engine_cpus(settings.engine_cpus, engines, session)
-    ds = ray.data.from_arrow([tasks_table([task]) for task in tagged])
+    ds = blocks_dataset([tasks_table([task]) for task in tagged])
     ds = ds.map_batches(prepare_point_batch, fn_kwargs={"plans": dict(plans)}, batch_size=None,
                         batch_format="pyarrow", num_cpus=_LIGHT_CPUS, concurrency=engines)
     ds = ds.map_batches(

@@ -158,3 +158,32 @@ def mark_duplicates(spec: Any, listing: Sequence[Any], tasks: Sequence[Any]) -> 
     found = find_duplicates(listing, spec.input.format, spec.input.id_column, spec.input.storage_options,
                             on_bad_file=spec.input.on_bad_file)
     return with_duplicates(tasks, found) if found else list(tasks)
+
+
+# Most duplicate rows recorded in _job.json (each ~8 bytes of JSON); a job with more (past any sane error
+# budget) repeats the id pass on resume instead of carrying a huge record.
+MAX_RECORDED_DUPLICATES = 1_000_000
+
+
+def recordable(duplicates: dict[int, list[int]]) -> bool:
+    """Whether a verdict is small enough to record in _job.json (MAX_RECORDED_DUPLICATES)."""
+    return sum(len(v) for v in duplicates.values()) <= MAX_RECORDED_DUPLICATES
+
+
+def stored_duplicates(spec: Any) -> dict[int, list[int]] | None:
+    """The duplicate-id verdict the run that started this output recorded in _job.json; None when there
+    is none (no job yet, an older record, unreadable: the id pass then runs as on a first run)."""
+    from deepinfer.pipeline.output import storage
+    from deepinfer.pipeline.output.layout import JOB_FILE
+
+    if spec.input.id_column is None:
+        return None
+    try:
+        fs, root = storage.open_fs(spec.output.path, spec.output.storage_options)
+        data = storage.read_bytes(fs, storage.join(root, JOB_FILE))
+        found = json.loads(data)["duplicates"] if data is not None else None
+        if not isinstance(found, dict):
+            return None
+        return {int(k): [int(r) for r in v] for k, v in found.items()}
+    except Exception:  # noqa: BLE001 - best effort: JobStore.open reports real problems with the path
+        return None

@@ -108,7 +108,8 @@ class StubLLM:
 
 class EngineStage:
     """Ray Data actor stage (and local-executor callable) holding one LLM (from `engines` when given,
-    shared with the other stages that use it; else its own).
+    shared with the other stages that use it; else its own). `on_imported` is called once the engine's
+    modules are imported, before the model is built (the local executor starts preparing parts then).
 
     Rows already carrying an error pass through. Engine ValueErrors are per-row problems (e.g. a schema
     the grammar cannot compile for one row): when a batch raises one, its rows are retried one by one so
@@ -117,7 +118,8 @@ class EngineStage:
 
     def __init__(self, model_ref: str, engine_kwargs: dict[str, Any], sampling_kwargs: dict[str, Any],
                  job_seed: int, output_schema: dict | None, stub: bool = False, schema_mode: str = "strict",
-                 batch_input: bool = False, engines: EngineCache | None = None) -> None:
+                 batch_input: bool = False, engines: EngineCache | None = None,
+                 on_imported: Callable[[], None] | None = None) -> None:
         from deepinfer.pipeline.errors import SpecError
         from deepinfer.pipeline.stages.engine_rows import RowRequests
         from deepinfer.pipeline.summary import process_started_epoch
@@ -128,6 +130,8 @@ class EngineStage:
         if not stub:
             import deepinfer.engine.llm  # noqa: F401 - torch and the engine's modules, timed apart from the build
         self.marks["imported"] = time.time()
+        if on_imported is not None:  # the imports (GIL-bound) are done; the model build is mostly native
+            on_imported()
         try:
             self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
         except ValueError as exc:  # the engine names what to change in the spec's model section

@@ -10,6 +10,7 @@ from the driver.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -83,13 +84,16 @@ class StagePlan:
     def tokenize_stage(self) -> TokenizeStage:
         return _tokenize_stage(self.model_ref, self.max_model_len, self.mode, self.chat_date)
 
-    def engine_stage(self, engines: EngineCache | None = None) -> EngineStage:
-        """This plan's engine stage; its LLM comes from `engines` (shared) when given."""
+    def engine_stage(self, engines: EngineCache | None = None,
+                     on_imported: Callable[[], None] | None = None) -> EngineStage:
+        """This plan's engine stage; its LLM comes from `engines` (shared) when given; `on_imported`:
+        EngineStage's."""
         # runtime.benchmark_stub_engine (fingerprinted): the spec decides, never a worker's environment.
         return EngineStage(self.model_ref, self.engine_kwargs, self.sampling_kwargs, self.job_seed,
                            self.output_schema, stub=bool(self.extra.get("stub_engine")),
                            schema_mode=self.extra.get("schema_mode", "strict"),
-                           batch_input=bool(self.extra.get("batch_input")), engines=engines)
+                           batch_input=bool(self.extra.get("batch_input")), engines=engines,
+                           on_imported=on_imported)
 
     def engine_key(self) -> str:
         """What decides the engine this plan's stage runs on: stages of plans with one key can share it."""

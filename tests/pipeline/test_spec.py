@@ -98,7 +98,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
 def test_defaults_are_filled_from_the_schema(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path, GOOD))
     assert spec.sampling.temperature == 1.0 and spec.sampling.seed == 0 and spec.sampling.max_tokens == 256
-    assert spec.runtime.executor == "ray" and spec.runtime.max_error_fraction == 0.01
+    assert spec.runtime.executor == "auto" and spec.runtime.max_error_fraction == 0.01
     assert spec.runtime.rows_per_part == 1000 and spec.output.format == "parquet"
     assert spec.prompt.mode == "chat" and spec.output_schema is None
     assert spec.document["runtime"]["batch_size"] == spec.runtime.batch_size
