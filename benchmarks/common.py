@@ -49,6 +49,61 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+
+def timed_generate(llm: Any, prompts: list, sp: Any, rec: StepRecorder) -> tuple[float, list]:
+    """One `generate` of all `prompts` with `sp`, timed between device syncs, its steps closed in `rec`:
+    (seconds, outputs)."""
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sync()
+    rec.end()
+    return time.perf_counter() - t0, outs
+
+
+def measure_runs(llm: Any, prompts: list, sp: Any, rec: StepRecorder, runs: int, out: JsonOut, arm: str
+                 ) -> tuple[list[float], list[list[int]]]:
+    """A full-size warm-up (every kernel and batch shape of the measured runs compiled once), then `runs`
+    timed runs, each written as a JSON line (seconds, output tokens, whether its tokens are run 0's).
+    Returns (the runs' seconds, run 0's token ids per prompt)."""
+    timed_generate(llm, prompts, sp, rec)
+    rec.reset()
+    seconds, first = [], None
+    for i in range(runs):
+        dt, outs = timed_generate(llm, prompts, sp, rec)
+        toks = [o.token_ids for o in outs]
+        seconds.append(dt)
+        first = first or toks
+        out.line({"arm": arm, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
+                  "same_tokens_as_run0": toks == first})
+    return seconds, first
+
+
+def measure_hf_runs(model: Any, ids_all: torch.Tensor, batch: int, output_len: int, runs: int, out: JsonOut
+                    ) -> tuple[list[float], int]:
+    """transformers' greedy `generate` over every row of `ids_all`, `batch` rows a call, exactly
+    `output_len` new tokens each: a full-size warm-up, then `runs` timed runs, each a JSON line (arm "hf").
+    Call under torch.no_grad(). Returns (the runs' seconds, output tokens of one run)."""
+    def one() -> tuple[float, int]:
+        sync()
+        t0 = time.perf_counter()
+        n_out = 0
+        for i in range(0, ids_all.shape[0], batch):
+            ids = ids_all[i:i + batch]
+            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                               min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            n_out += (o.shape[1] - ids.shape[1]) * ids.shape[0]
+        sync()
+        return time.perf_counter() - t0, n_out
+
+    one()  # full-size warm-up, as for deepinfer
+    seconds, n_out = [], 0
+    for i in range(runs):
+        dt, n_out = one()
+        seconds.append(dt)
+        out.line({"arm": "hf", "run": i, "seconds": dt, "output_tokens": n_out})
+    return seconds, n_out
+
 class JsonOut:
     """Writes each record as one JSON line to stdout and to `<out>.jsonl`, and the summary to `<out>`."""
 

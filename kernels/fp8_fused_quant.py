@@ -40,9 +40,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels._checks import check_tensor
 from deepinfer.kernels.fp8_row_quant import quantize_e4m3, row_launch, row_scale
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
+from deepinfer.kernels.rmsnorm import check_rms_norm_args, rms_norm, rms_norm_row
 
 __all__ = ["rms_norm_quant", "silu_and_mul_quant", "FUSED_NORM_MAX"]
 
@@ -57,24 +58,16 @@ def _rms_norm_quant_kernel(
     stride_x, stride_r, stride_q, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr,
 ):
-    # Lines up to `y` are kernels/rmsnorm.py's SINGLE_CHUNK path: keep them the same (same operations,
-    # same argument kinds: H and eps are runtime arguments there too).
+    # kernels/rmsnorm.py's SINGLE_CHUNK path, its own helper (same argument kinds: H and eps are runtime
+    # arguments there too).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
     res_row = res_out_ptr + row * stride_res_out
-    mask = offs < H
-    h = tl.load(x_row + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(res_row + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (hf * rstd).to(h.dtype).to(tl.float32) * w
+    y, mask = rms_norm_row(x_row, r_row, w_ptr, res_row, offs, H, eps, HAS_RESIDUAL)
     # The norm's output as rmsnorm.py stores it (rounded to the input dtype), then quantize_rows' steps.
-    y = y.to(h.dtype).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     scale = row_scale(tl.max(tl.abs(y), axis=0), EPS, QMAX)
     q = quantize_e4m3(y, scale, QMAX)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
@@ -88,22 +81,10 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     [M, 1], the new residual h = x + residual or None without one). Bitwise
     `quantize_rows(rms_norm(x, weight, eps[, residual]))` (kernels/rmsnorm.py); rows wider than
     FUSED_NORM_MAX run exactly that composition. Inputs are not modified."""
-    check_tensor("x", x, ndim=2)
-    check_tensor("weight", weight, ndim=1, device=x.device)
-    m, h = x.shape
-    if weight.shape[0] != h:
-        raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {tuple(x.shape)}")
-    if not eps >= 0:
-        raise ValueError(f"eps={eps}: must be >= 0")
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, device=x.device)
-        check_same_dtype("residual", residual, x.dtype)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    m, h = check_rms_norm_args(x, weight, eps, residual)
     block = triton.next_power_of_2(max(h, 1))
     if block > FUSED_NORM_MAX:
         from deepinfer.kernels.fp8_row_quant import quantize_rows
-        from deepinfer.kernels.rmsnorm import rms_norm
 
         if residual is None:
             return (*quantize_rows(rms_norm(x, weight, eps)), None)

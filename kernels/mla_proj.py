@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels.gemm_parts import k_chain
 
 __all__ = ["head_proj", "head_proj_config"]
 
@@ -44,16 +45,8 @@ def _head_proj_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xt + head * stride_xh + offs_k[None, :]
     w_ptrs = w_ptr + head * stride_wh + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - ki * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    # EVEN_K=False: every K tile is loaded masked, as this kernel always has.
+    acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, 0, tl.cdiv(K, BLOCK_K), 1, stride_wk, False, IEEE, BLOCK_K)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < T) & (offs_n[None, :] < N))
 

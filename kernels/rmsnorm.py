@@ -18,6 +18,36 @@ _MAX_BLOCK = 8192
 
 
 @triton.jit
+def rms_norm_row(x_row, r_row, w_ptr, res_row, offs, H, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row held whole (offs covers H): h = x (+ r, rounded to x's dtype, stored to res_row), then
+    weight * (h * rstd rounded to x's dtype), as fp32, and the column mask. The single-chunk body of
+    _rms_norm_kernel and of kernels/fp8_fused_quant.py's fused norm, one copy so that both compute the
+    same operations (Triton inlines it; the sum's bits also need the same layout, see that module)."""
+    mask = offs < H
+    h = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(res_row + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (hf * rstd).to(h.dtype).to(tl.float32) * w
+    return y, mask
+
+
+@triton.jit
+def _chunk_h(x_row, r_row, start, offs, H, HAS_RESIDUAL: tl.constexpr):
+    """The chunk of h = x (+ r, rounded to x's dtype) at columns start + offs, and its column mask: both
+    passes of the multi-chunk path compute it the same way."""
+    mask = start + offs < H
+    h = tl.load(x_row + start + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + start + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+    return h, mask
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
     H, eps,
@@ -31,38 +61,42 @@ def _rms_norm_kernel(
     out_row = out_ptr + row * stride_out
     res_row = res_out_ptr + row * stride_res_out
     if SINGLE_CHUNK:
-        mask = offs < H
-        h = tl.load(x_row + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-            tl.store(res_row + offs, h, mask=mask)
-        hf = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (hf * rstd).to(h.dtype).to(tl.float32) * w
+        y, mask = rms_norm_row(x_row, r_row, w_ptr, res_row, offs, H, eps, HAS_RESIDUAL)
         tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         sq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, H, BLOCK):
-            mask = start + offs < H
-            h = tl.load(x_row + start + offs, mask=mask, other=0.0)
+            h, mask = _chunk_h(x_row, r_row, start, offs, H, HAS_RESIDUAL)
             if HAS_RESIDUAL:
-                r = tl.load(r_row + start + offs, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
                 tl.store(res_row + start + offs, h, mask=mask)
             hf = h.to(tl.float32)
             sq += hf * hf
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / H + eps)
         for start in range(0, H, BLOCK):
-            mask = start + offs < H
             # Recompute the sum rather than re-read res_out: no cross-thread visibility question arises.
-            h = tl.load(x_row + start + offs, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_row + start + offs, mask=mask, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            h, mask = _chunk_h(x_row, r_row, start, offs, H, HAS_RESIDUAL)
             w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
             y = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32) * w
             tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+                        ) -> tuple[int, int]:
+    """ValueError naming the argument unless x [M, H], weight [H], eps >= 0 and residual (None or x's
+    shape and dtype) fit `rms_norm` (and kernels/fp8_fused_quant.py's `rms_norm_quant`); returns (M, H)."""
+    check_tensor("x", x, ndim=2)
+    check_tensor("weight", weight, ndim=1, device=x.device)
+    m, h = x.shape
+    if weight.shape[0] != h:
+        raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {tuple(x.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps={eps}: must be >= 0")
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, device=x.device)
+        check_same_dtype("residual", residual, x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    return m, h
 
 
 def rms_norm(
@@ -76,18 +110,7 @@ def rms_norm(
     With `residual` [M, H]: h = x + residual (rounded to x's dtype) is normalised and the function returns
     (out, h), h being the new residual stream. Inputs are not modified.
     """
-    check_tensor("x", x, ndim=2)
-    check_tensor("weight", weight, ndim=1, device=x.device)
-    m, h = x.shape
-    if weight.shape[0] != h:
-        raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {tuple(x.shape)}")
-    if not eps >= 0:
-        raise ValueError(f"eps={eps}: must be >= 0")
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, device=x.device)
-        check_same_dtype("residual", residual, x.dtype)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    m, h = check_rms_norm_args(x, weight, eps, residual)
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     res_out = torch.empty((m, h), dtype=x.dtype, device=x.device) if residual is not None else out
     if m > 0 and h > 0:

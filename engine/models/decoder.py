@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 from deepinfer.engine.layers.attention import PagedSelfAttention
-from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.mlp import GatedMLP
 from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.layers.rotary import RotaryEmbedding
 from deepinfer.engine.models.config import ModelConfig
-from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer
+from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer, embedding_table, lm_head
 from deepinfer.engine.models.weights import init_dummy_weights, load_hf_weights
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
@@ -62,8 +61,7 @@ class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, ops: Ops, dtype: torch.dtype,
                  device: torch.device | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = embedding_table(cfg, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, ops, dtype, device)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
@@ -81,11 +79,7 @@ class CausalLM(PagedCausalLM):
         self.model = DecoderBody(cfg, spec, ops, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = lm_head(cfg, self.model.embed_tokens, dtype, device)
 
     @property
     def max_positions(self) -> int:

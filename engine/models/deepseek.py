@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.mla import MLACacheSpec, MLAttention
 from deepinfer.engine.layers.mla_rope import DeepseekRotary
 from deepinfer.engine.layers.mlp import GatedMLP
@@ -20,7 +19,7 @@ from deepinfer.engine.layers.norm import RMSNorm
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.models.deepseek_config import DEEPSEEK_V2, DeepseekConfig
 from deepinfer.engine.models.deepseek_weights import load_deepseek_weights
-from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer
+from deepinfer.engine.models.stack import PagedCausalLM, PreNormDecoderLayer, embedding_table, lm_head
 from deepinfer.engine.models.weights import init_dummy_weights
 from torch import nn
 
@@ -51,8 +50,7 @@ class DeepseekBody(nn.Module):
     def __init__(self, cfg: DeepseekConfig, rotary: DeepseekRotary, ops: Ops, dtype: torch.dtype,
                  device: torch.device | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = embedding_table(cfg, dtype, device)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, ops, dtype, device)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype, device)
@@ -72,11 +70,7 @@ class DeepseekForCausalLM(PagedCausalLM):
                                      cfg.rope_theta, cfg.yarn, interleave=mla.rope_interleave,
                                      upcast=cfg.architecture == DEEPSEEK_V2, device=device)
         self.model = DeepseekBody(cfg, self.rotary, ops, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = lm_head(cfg, self.model.embed_tokens, dtype, device)
 
     @property
     def max_positions(self) -> int:

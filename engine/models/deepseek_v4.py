@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from deepinfer.engine.layers.hash_moe import V4MoE
 from deepinfer.engine.layers.hyper_connections import HyperConnection, HyperHead, merge_streams
-from deepinfer.engine.layers.linear import empty_param
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.engine.layers.v4_attention import V4Attention
 from deepinfer.engine.layers.v4_cache import V4CacheSpec, v4_cache_spec
@@ -27,7 +26,7 @@ from deepinfer.engine.layers.v4_norm import V4RMSNorm
 from deepinfer.engine.layers.v4_rope import V4Rotary
 from deepinfer.engine.models.deepseek_v4_config import SLIDING, DeepseekV4Config
 from deepinfer.engine.models.deepseek_v4_weights import init_v4_dummy_weights, load_v4_weights
-from deepinfer.engine.models.stack import PagedCausalLM
+from deepinfer.engine.models.stack import PagedCausalLM, embedding_table, lm_head
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
 
@@ -72,8 +71,7 @@ class DeepseekV4Body(nn.Module):
         self, cfg: DeepseekV4Config, ops: Ops, dtype: torch.dtype, device: torch.device | None
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = embedding_table(cfg, dtype, device)
         self.layers = nn.ModuleList(
             V4DecoderLayer(cfg, i, ops, dtype, device) for i in range(cfg.num_hidden_layers)
         )
@@ -98,11 +96,7 @@ class DeepseekV4ForCausalLM(PagedCausalLM):
         self.main_rotary = V4Rotary(cfg.main_rope, ops.deterministic, device)
         self.compress_rotary = V4Rotary(cfg.compress_rope, ops.deterministic, device)
         self.model = DeepseekV4Body(cfg, ops, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = lm_head(cfg, self.model.embed_tokens, dtype, device)
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self._bounded, self._cache_len = False, max_positions
         self.keep_streams = False

@@ -7,10 +7,34 @@ A model subclass provides `model.embed_tokens`, `model.layers` (each called as
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
+from deepinfer.engine.layers.linear import empty_param
 from deepinfer.kernels.metadata import AttentionMetadata
 from torch import nn
+
+
+class VocabShape(Protocol):
+    """The config fields the token tables need (every model config here has them)."""
+
+    vocab_size: int
+    hidden_size: int
+    tie_word_embeddings: bool
+
+
+def embedding_table(cfg: VocabShape, dtype: torch.dtype, device: torch.device | None) -> nn.Module:
+    """`model.embed_tokens`: a module holding the uninitialised weight [vocab_size, hidden_size]."""
+    table = nn.Module()
+    table.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+    return table
+
+
+def lm_head(cfg: VocabShape, embed_tokens: nn.Module, dtype: torch.dtype, device: torch.device | None
+            ) -> nn.Module:
+    """`lm_head`: the embedding table itself with tied word embeddings, else a table of its own."""
+    return embed_tokens if cfg.tie_word_embeddings else embedding_table(cfg, dtype, device)
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -17,49 +17,37 @@ routing, or a near tie of the logits (top-2 margin below 0.05).
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
 import torch
-from deepinfer.engine.layers.backends import make_ops
-from deepinfer.engine.models.config import ModelConfig
-from deepinfer.engine.models.loader import iter_weights
-from deepinfer.engine.models.registry import build_model
 
+from tests.support.cuda_invariance import (
+    CUDA,
+    check_batch_sizes,
+    check_chunked_and_prefix_hits,
+    check_logits_batch_invariant,
+    cuda_llm,
+    cuda_model,
+    run_requests,
+)
 from tests.support.paged_runner import PagedBatchRunner
-from tests.support.tiny_deepseek import VARIANTS, make_tiny_deepseek
+from tests.support.tiny_deepseek import VARIANTS, tiny_deepseek_builder
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
 STEPS = 8
 ROUTER_TIE = 0.01   # choice-score gap at the top-k (or group) cut below which a flipped expert is excused
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_deepseek_gpu")
-    built: dict[str, object] = {}
-
-    def get(variant: str):
-        if variant not in built:
-            built[variant] = make_tiny_deepseek(variant, root / variant)
-        return built[variant]
-
-    return get
+    return tiny_deepseek_builder(tmp_path_factory.mktemp("tiny_deepseek_gpu"))
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
-
-
-def _ours(path, deterministic: bool, dtype: torch.dtype):
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, make_ops(CUDA, deterministic), dtype, CUDA)
-    model.load_weights(iter_weights(path, CUDA))
-    return model, cfg
 
 
 def _hf(path, dtype: torch.dtype):
@@ -198,7 +186,7 @@ def _hf_run(hf, ids: torch.Tensor, routes: list[torch.Tensor] | None = None
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_float32_logits_and_greedy_tokens_match_hf(variant, deterministic, ckpt):
     path = ckpt(variant)
-    model, cfg = _ours(path, deterministic, torch.float32)
+    model, cfg = cuda_model(path, deterministic, torch.float32)
     hf = _hf(path, torch.float32)
     prompts = _prompts(cfg.vocab_size, [37, 5, 20], seed=1)
     ours, toks, _ = _ours_greedy(model, cfg, prompts, STEPS)
@@ -213,7 +201,7 @@ def test_float32_logits_and_greedy_tokens_match_hf(variant, deterministic, ckpt)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bfloat16_logits_are_as_close_to_hf_float32_as_hf_bfloat16(variant, deterministic, ckpt):
     path = ckpt(variant)
-    model, cfg = _ours(path, deterministic, torch.bfloat16)
+    model, cfg = cuda_model(path, deterministic, torch.bfloat16)
     hf32, hf16 = _hf(path, torch.float32), _hf(path, torch.bfloat16)
     prompts = _prompts(cfg.vocab_size, [37, 5, 20], seed=2)
     ours, toks, routes = _ours_greedy(model, cfg, prompts, STEPS)
@@ -242,31 +230,12 @@ def test_bfloat16_logits_are_as_close_to_hf_float32_as_hf_bfloat16(variant, dete
 
 
 def test_moe_model_logits_are_bitwise_batch_invariant(ckpt):
-    model, cfg = _ours(ckpt("v3"), True, torch.bfloat16)
-    prompts = _prompts(cfg.vocab_size, [40, 9, 23, 33, 200, 17], seed=4)
-    target = prompts[0]
-    alone = PagedBatchRunner(model, cfg, num_blocks=64)
-    alone.add("t", target)
-    ref = alone.step([("t", len(target))])["t"]
-    batched = PagedBatchRunner(model, cfg, num_blocks=64)
-    for i, p in enumerate(prompts):
-        batched.add(f"s{i}", p)
-    in_batch = batched.step([(f"s{i}", len(p)) for i, p in reversed(list(enumerate(prompts)))])["s0"]
-    chunked = PagedBatchRunner(model, cfg, num_blocks=64)
-    chunked.add("t", target)
-    chunked.add("o", prompts[4])
-    parts = [chunked.step([("o", n), ("t", m)])["t"] for n, m in [(100, 7), (50, 16), (50, 17)]]
-    assert torch.equal(in_batch, ref)
-    assert torch.equal(torch.cat(parts), ref)
+    model, cfg = cuda_model(ckpt("v3"), True, torch.bfloat16)
+    check_logits_batch_invariant(model, cfg, _prompts(cfg.vocab_size, [40, 9, 23, 33, 200, 17], seed=4))
 
 
 def _llm(path, **kw):
-    from deepinfer.engine import LLM
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    return LLM(model=str(path), dtype="bfloat16", device="cuda", seed=0, gpu_memory_utilization=0.3,
-               max_model_len=512, **kw)
+    return cuda_llm(path, gpu_memory_utilization=0.3, max_model_len=512, **kw)
 
 
 def _requests(n: int, vocab: int):
@@ -281,27 +250,16 @@ def _requests(n: int, vocab: int):
     return prompts, params
 
 
-def _run(llm, prompts, params, idx):
-    outs = llm.generate([prompts[i] for i in idx], [params[i] for i in idx], use_tqdm=False)
-    return {i: (o.token_ids, o.logprobs) for i, o in zip(idx, outs)}
-
-
 @pytest.mark.parametrize("variant", ["v3", "v2"])
 def test_engine_output_is_bitwise_identical_at_batch_sizes_1_7_33(variant, ckpt):
     path = ckpt(variant)
     llm = _llm(path, max_num_seqs=64, enable_prefix_caching=False)
     prompts, params = _requests(40, llm.model_config.vocab_size)
-    ref = _run(llm, prompts, params, list(range(33)))
-    for size in (7, 1):
-        idx = list(range(5, 5 + size))
-        assert _run(llm, prompts, params, idx) == {i: ref[i] for i in idx}, f"batch size {size} differs"
+    ref = run_requests(llm, prompts, params, list(range(33)))
+    check_batch_sizes(llm, prompts, params, ref, (7, 1), start=5)
     other = list(range(26, 40))                      # 7 of the 33 beside 7 requests never seen with them
-    mixed = _run(llm, prompts, params, other)
+    mixed = run_requests(llm, prompts, params, other)
     assert {i: mixed[i] for i in range(26, 33)} == {i: ref[i] for i in range(26, 33)}
     del llm
     chunked = _llm(path, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True)
-    idx = list(range(0, 33, 3))
-    first = _run(chunked, prompts, params, idx)
-    again = _run(chunked, prompts, params, idx)      # prefix-cache hits on the shared blocks
-    assert first == {i: ref[i] for i in idx}, "chunked prefill differs"
-    assert again == first, "prefix-cache hits differ"
+    check_chunked_and_prefix_hits(chunked, prompts, params, ref, list(range(0, 33, 3)))

@@ -15,9 +15,8 @@ from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.deepseek_config import DeepseekConfig
 from deepinfer.engine.models.loader import iter_weights
 
-from tests.support.hf_parity import cpu_engine_model, hf_step_logits, random_prompts
-from tests.support.paged_runner import PagedBatchRunner
-from tests.support.tiny_deepseek import VARIANTS, make_tiny_deepseek, write_fused_experts_copy
+from tests.support.hf_parity import check_chunked_prefill_and_decode, cpu_engine_model, random_prompts
+from tests.support.tiny_deepseek import VARIANTS, tiny_deepseek_builder, write_fused_experts_copy
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -25,15 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_deepseek")
-    built: dict[str, object] = {}
-
-    def get(variant: str):
-        if variant not in built:
-            built[variant] = make_tiny_deepseek(variant, root / variant)
-        return built[variant]
-
-    return get
+    return tiny_deepseek_builder(tmp_path_factory.mktemp("tiny_deepseek"))
 
 
 @pytest.fixture(scope="module")
@@ -115,21 +106,7 @@ def test_prefill_chunks_and_decode_logits_match_hf(variant, deterministic, ckpt,
     cfg, model = cpu_engine_model(ckpt(variant), deterministic)
     a, b = random_prompts(2, cfg.vocab_size, seed=3)
     a = (a * 3)[:37]
-    ref_a, toks_a = hf_step_logits(hf(variant), a, 6)
-    ref_b, toks_b = hf_step_logits(hf(variant), b, 6)
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", a)
-    runner.add("b", b)
-    first = runner.step([("a", 16), ("b", len(b))])
-    second = runner.step([("a", len(a) - 16)])
-    torch.testing.assert_close(torch.cat([first["a"], second["a"]]), ref_a[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(first["b"], ref_b[0], atol=1e-4, rtol=0)
-    for step in range(6):
-        runner.append("a", toks_a[step])
-        runner.append("b", toks_b[step])
-        got = runner.step([("b", 1), ("a", 1)])
-        torch.testing.assert_close(got["a"], ref_a[step + 1], atol=1e-4, rtol=0)
-        torch.testing.assert_close(got["b"], ref_b[step + 1], atol=1e-4, rtol=0)
+    check_chunked_prefill_and_decode(model, cfg, hf(variant), a, b, [16, len(a) - 16], steps=6)
 
 
 def test_fused_expert_checkpoint_loads_the_same_weights(ckpt, tmp_path):

@@ -17,8 +17,7 @@ from deepinfer.engine.models.deepseek_v4_config import CSA, HCA, SLIDING, Deepse
 from deepinfer.engine.models.loader import iter_weights
 from deepinfer.engine.models.registry import build_model
 
-from tests.support.hf_parity import cpu_engine_model, hf_step_logits, random_prompts
-from tests.support.paged_runner import PagedBatchRunner
+from tests.support.hf_parity import check_chunked_prefill_and_decode, cpu_engine_model, random_prompts
 from tests.support.tiny_deepseek_v4 import WINDOW, hf_v4_available, load_hf_v4, make_tiny_deepseek_v4
 
 pytestmark = pytest.mark.skipif(
@@ -107,22 +106,7 @@ def test_prefill_chunks_and_decode_logits_match_hf(deterministic, ckpt, hf):
     """Two sequences (one prefilled in three chunks), then batched decode steps: every row within 1e-4."""
     cfg, model = cpu_engine_model(ckpt, deterministic)
     a, b = random_prompts(2, cfg.vocab_size, seed=3, lo=30, hi=50)
-    ref_a, toks_a = hf_step_logits(hf, a, 10)
-    ref_b, toks_b = hf_step_logits(hf, b, 10)
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", a)
-    runner.add("b", b)
-    first = runner.step([("a", 13), ("b", len(b))])
-    second = runner.step([("a", 6)])
-    third = runner.step([("a", len(a) - 19)])
-    torch.testing.assert_close(torch.cat([first["a"], second["a"], third["a"]]), ref_a[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(first["b"], ref_b[0], atol=1e-4, rtol=0)
-    for step in range(10):
-        runner.append("a", toks_a[step])
-        runner.append("b", toks_b[step])
-        got = runner.step([("b", 1), ("a", 1)])
-        torch.testing.assert_close(got["a"], ref_a[step + 1], atol=1e-4, rtol=0)
-        torch.testing.assert_close(got["b"], ref_b[step + 1], atol=1e-4, rtol=0)
+    check_chunked_prefill_and_decode(model, cfg, hf, a, b, [13, 6, len(a) - 19], steps=10)
 
 
 def test_single_request_greedy_matches_hf_generate(ckpt, hf):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 
 import pytest
-import torch
+
+from tests.support.cuda_invariance import (
+    check_batch_sizes,
+    check_chunked_and_prefix_hits,
+    cuda_llm,
+    run_requests,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,12 +38,7 @@ def llama8b_dir(tmp_path_factory):
 
 
 def _llm(llama8b_dir, **kw):
-    from deepinfer.engine import LLM
-
-    gc.collect()
-    torch.cuda.empty_cache()  # the previous engine's weights and cache must be gone before sizing this one
-    return LLM(model=str(llama8b_dir), dtype="bfloat16", device="cuda", load_format="dummy", seed=0,
-               max_model_len=2048, gpu_memory_utilization=0.5, **kw)
+    return cuda_llm(llama8b_dir, load_format="dummy", max_model_len=2048, gpu_memory_utilization=0.5, **kw)
 
 
 def _requests(n: int):
@@ -53,22 +53,11 @@ def _requests(n: int):
     return prompts, params
 
 
-def _run(llm, prompts, params, idx):
-    outs = llm.generate([prompts[i] for i in idx], [params[i] for i in idx], use_tqdm=False)
-    return {i: (o.token_ids, o.logprobs) for i, o in zip(idx, outs)}
-
-
 def test_bitwise_identity_across_batch_sizes_chunking_and_prefix_hits(llama8b_dir):
     prompts, params = _requests(256)
     llm = _llm(llama8b_dir, max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False)
-    ref = _run(llm, prompts, params, list(range(256)))
-    for size in (64, 7, 1):
-        idx = list(range(3, 3 + size))
-        assert _run(llm, prompts, params, idx) == {i: ref[i] for i in idx}, f"batch size {size} differs"
+    ref = run_requests(llm, prompts, params, list(range(256)))
+    check_batch_sizes(llm, prompts, params, ref, (64, 7, 1), start=3)
     del llm
     chunked = _llm(llama8b_dir, max_num_seqs=64, max_num_batched_tokens=160, enable_prefix_caching=True)
-    idx = list(range(0, 256, 9))
-    first = _run(chunked, prompts, params, idx)
-    again = _run(chunked, prompts, params, idx)  # prefix-cache hits on every shared block
-    assert first == {i: ref[i] for i in idx}, "chunked prefill differs"
-    assert again == first, "prefix-cache hits differ"
+    check_chunked_and_prefix_hits(chunked, prompts, params, ref, list(range(0, 256, 9)))

@@ -6,17 +6,13 @@ import random
 
 import pytest
 import torch
-from deepinfer.engine.layers.backends import make_ops
-from deepinfer.engine.models.config import ModelConfig
-from deepinfer.engine.models.loader import iter_weights
-from deepinfer.engine.models.registry import build_model
 
+from tests.support.cuda_invariance import CUDA, check_logits_batch_invariant, cuda_model
 from tests.support.paged_runner import PagedBatchRunner
 from tests.support.tiny_models import TINY_ARCHS
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
 # float32: Triton attention and matmuls in IEEE fp32 against cuBLAS/SDPA in HF; bfloat16: a few ulps of
 # logits of magnitude ~3 (deepinfer attends in fp32 where transformers rounds to bfloat16 in between).
 ATOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}
@@ -27,13 +23,6 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def _ours(path, deterministic: bool, dtype: torch.dtype):
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, make_ops(CUDA, deterministic), dtype, CUDA)
-    model.load_weights(iter_weights(path, CUDA))
-    return model, cfg
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -41,7 +30,7 @@ def test_prefill_and_decode_match_hf_on_cuda(arch, deterministic, dtype, tiny_ch
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(arch)
-    model, cfg = _ours(path, deterministic, dtype)
+    model, cfg = cuda_model(path, deterministic, dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(CUDA).eval()
     prompts = _prompts(cfg.vocab_size, [5, 37, 18], seed=1)
     extra = _prompts(cfg.vocab_size, [4, 4, 4], seed=2)
@@ -64,21 +53,5 @@ def test_prefill_and_decode_match_hf_on_cuda(arch, deterministic, dtype, tiny_ch
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_deterministic_cuda_logits_are_bitwise_batch_invariant(arch, tiny_checkpoint):
-    model, cfg = _ours(tiny_checkpoint(arch), True, torch.bfloat16)
-    prompts = _prompts(cfg.vocab_size, [40, 9, 23, 33, 200, 17], seed=4)
-    target = prompts[0]
-    alone = PagedBatchRunner(model, cfg, num_blocks=64)
-    alone.add("t", target)
-    ref = alone.step([("t", len(target))])["t"]
-
-    batched = PagedBatchRunner(model, cfg, num_blocks=64)
-    for i, p in enumerate(prompts):
-        batched.add(f"s{i}", p)
-    in_batch = batched.step([(f"s{i}", len(p)) for i, p in reversed(list(enumerate(prompts)))])["s0"]
-
-    chunked = PagedBatchRunner(model, cfg, num_blocks=64)
-    chunked.add("t", target)
-    chunked.add("o", prompts[4])
-    parts = [chunked.step([("o", n), ("t", m)])["t"] for n, m in [(100, 7), (50, 16), (50, 17)]]
-    assert torch.equal(in_batch, ref)
-    assert torch.equal(torch.cat(parts), ref)
+    model, cfg = cuda_model(tiny_checkpoint(arch), True, torch.bfloat16)
+    check_logits_batch_invariant(model, cfg, _prompts(cfg.vocab_size, [40, 9, 23, 33, 200, 17], seed=4))

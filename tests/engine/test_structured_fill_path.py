@@ -7,16 +7,13 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.models.demo import write_tokenizer_files
 from deepinfer.engine.structured import llguidance_backend
-from deepinfer.engine.structured.manager import StructuredOutputManager
-from tokenizers import Tokenizer
 
-EOS_IDS = (1, 3)
+from tests.support.structured_demo import allowed_tokens, checked_walk, demo_manager
+
 SCHEMA = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1},
     "topics": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
@@ -25,48 +22,14 @@ SCHEMA = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fill_path_tok")
-    write_tokenizer_files(d)
-    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size() + 24
-    m = StructuredOutputManager(d / "tokenizer.json", vocab, EOS_IDS, max_threads=1, steering=False,
-                                mask_cache_size=256)
-    yield m
-    m.close()
-
-
-def _allowed(row: torch.Tensor, vocab: int) -> list[int]:
-    return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab]).tolist()
+    with demo_manager(tmp_path_factory.mktemp("fill_path_tok"), 24, max_threads=1, steering=False,
+                      mask_cache_size=256) as m:
+        yield m
 
 
 def _walk(manager, seed: int, rows: int = 8, steps: int = 30) -> list[list[int]]:
-    """Rows through add / masks_for / advance / free in the engine's order (prefetch on); every slot is
-    checked against a fresh llguidance fill of its matcher. Returns the tokens each row picked."""
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps, json_schema=SCHEMA)
-    seqs = [SimpleNamespace(params=params, grammar=None, num_output_tokens=0, num_tokens=5)
-            for _ in range(rows)]
-    for s in seqs:
-        manager.add(s)
-    fresh = manager.allocate_bitmask(1)
-    picked: list[list[int]] = [[] for _ in seqs]
-    for _ in range(steps):
-        alive = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None]
-        if not alive:
-            break
-        manager.masks_for([s for _, s in alive]).wait()
-        for i, s in alive:
-            manager.backend.fill_bitmasks([(0, s.grammar.matcher)], fresh)
-            assert torch.equal(manager.slots.buffer[s.grammar.slot], fresh[0])
-            tok = rng.choice(_allowed(fresh[0], manager.vocab_size))
-            picked[i].append(tok)
-            s.num_output_tokens += 1
-            s.num_tokens += 1
-            if manager.advance(s, tok) or s.num_output_tokens >= steps:
-                manager.free(s)
-    for s in seqs:
-        manager.free(s)
-    manager.slots.wait_idle()
-    return picked
+    """Rows through the engine's order (prefetch on), every slot checked against a fresh fill."""
+    return checked_walk(manager, SamplingParams(max_tokens=steps, json_schema=SCHEMA), rows, steps, seed)
 
 
 def test_hits_copied_at_submit_are_fresh_fills_and_pick_the_same_tokens(manager):
@@ -159,7 +122,7 @@ def test_copies_at_submit_with_the_masks_applied_on_cuda(manager):
         finite = torch.isfinite(logits).cpu()
         for row, s in enumerate(alive):
             manager.backend.fill_bitmasks([(0, s.grammar.matcher)], fresh)
-            allowed = _allowed(fresh[0], manager.vocab_size)
+            allowed = allowed_tokens(fresh[0], manager.vocab_size)
             assert finite[row].nonzero().flatten().tolist() == allowed
             s.num_output_tokens += 1
             s.num_tokens += 1

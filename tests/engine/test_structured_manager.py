@@ -20,9 +20,9 @@ from deepinfer.kernels.reference.token_mask import unpack_bitmask
 from tokenizers import Tokenizer
 
 from tests.support.spec_catalog import ALL_CASES, CHOICE_CASES, REJECTED_CASES, case_params_kwargs
+from tests.support.structured_demo import EOS_IDS
 
 PAD = 64          # model vocab = tokenizer vocab + PAD padded rows that must stay masked
-EOS_IDS = (1, 3)  # <|end_of_text|>, <|im_end|>
 
 
 @pytest.fixture(scope="module")

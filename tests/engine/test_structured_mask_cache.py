@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 from deepinfer.engine import LLM, SamplingParams
-from deepinfer.engine.models.demo import write_tokenizer_files
-from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.structured.mask_cache import MaskCache
-from tokenizers import Tokenizer
 
-EOS_IDS = (1, 3)
+from tests.support.structured_demo import demo_manager
+
 SCHEMA = {"type": "object",
           "properties": {"label": {"enum": ["pos", "neg", "neutral"]}, "n": {"type": "integer"},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
@@ -25,21 +23,12 @@ SCHEMA = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cache_tok")
-    write_tokenizer_files(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def manager(tok_dir):
-    vocab = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size() + 40
+def manager(tmp_path_factory):
     # state_keys=False: this file tests the token-history trie (SCHEMA's free strings would otherwise put it
     # on state keys, tested in test_structured_state_key.py).
-    m = StructuredOutputManager(tok_dir / "tokenizer.json", vocab, EOS_IDS, max_threads=2, steering=False,
-                                mask_cache_size=64, state_keys=False)
-    yield m
-    m.close()
+    with demo_manager(tmp_path_factory.mktemp("cache_tok"), 40, max_threads=2, steering=False,
+                      mask_cache_size=64, state_keys=False) as m:
+        yield m
 
 
 def _seq(manager, params):

@@ -8,29 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.models.demo import write_tokenizer_files
-from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.kernels.reference.token_mask import unpack_bitmask
-from tokenizers import Tokenizer
 
-EOS_IDS = (1, 3)
+from tests.support.structured_demo import demo_manager
+
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6}, "b": {"type": "integer"}},
           "required": ["a", "b"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("slots_tok")
-    write_tokenizer_files(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def manager(tok_dir):
-    vocab = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size() + 40
-    m = StructuredOutputManager(tok_dir / "tokenizer.json", vocab, EOS_IDS, max_threads=2)
-    yield m
-    m.close()
+def manager(tmp_path_factory):
+    with demo_manager(tmp_path_factory.mktemp("slots_tok"), 40, max_threads=2) as m:
+        yield m
 
 
 def _seq(manager, params, out_len=0):

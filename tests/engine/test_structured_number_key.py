@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer.engine.models.demo import write_tokenizer_files
 from deepinfer.engine.structured import number_key
 from deepinfer.engine.structured.backend import GrammarSpec
-from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.structured.normalize import prepare_json_schema
 from deepinfer.engine.structured.state_key import NumberNode, ObjectNode, StateKey, plan_of
-from tokenizers import Tokenizer
 
-EOS_IDS = (1, 3)
+from tests.support.structured_demo import demo_manager
+
 NUMBERS = {
     "unbounded_number": ({"type": "number"}, "number"),
     "unbounded_integer": ({"type": "integer"}, "integer"),
@@ -29,13 +27,9 @@ DEPTH = 5
 
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
-    d = tmp_path_factory.mktemp("number_key_tok")
-    write_tokenizer_files(d)
-    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size() + 8
-    m = StructuredOutputManager(d / "tokenizer.json", vocab, EOS_IDS, max_threads=1, steering=False,
-                                mask_cache_size=16)
-    yield m
-    m.close()
+    with demo_manager(tmp_path_factory.mktemp("number_key_tok"), 8, max_threads=1, steering=False,
+                      mask_cache_size=16) as m:
+        yield m
 
 
 def _schema(num: dict) -> dict:

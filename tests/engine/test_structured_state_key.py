@@ -6,15 +6,12 @@ the fresh fills and pick the same tokens as with them off."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.models.demo import write_tokenizer_files
 from deepinfer.engine.structured.backend import GrammarSpec
-from deepinfer.engine.structured.manager import StructuredOutputManager
 from deepinfer.engine.structured.mask_cache import VERBATIM_MARK, MaskCache
 from deepinfer.engine.structured.normalize import prepare_json_schema
 from deepinfer.engine.structured.state_key import (
@@ -25,11 +22,10 @@ from deepinfer.engine.structured.state_key import (
     char_counts,
     plan_of,
 )
-from tokenizers import Tokenizer
 
 from tests.support.spec_catalog import JSON_SCHEMA_CASES
+from tests.support.structured_demo import allowed_tokens, checked_walk, demo_manager
 
-EOS_IDS = (1, 3)
 _S = {"type": "string"}
 SCHEMAS = {
     "bench_like": {"type": "object", "properties": {
@@ -62,17 +58,9 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
-    d = tmp_path_factory.mktemp("state_key_tok")
-    write_tokenizer_files(d)
-    vocab = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size() + 40
-    m = StructuredOutputManager(d / "tokenizer.json", vocab, EOS_IDS, max_threads=1, steering=False,
-                                mask_cache_size=256)
-    yield m
-    m.close()
-
-
-def _allowed(row: torch.Tensor, vocab: int) -> np.ndarray:
-    return np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:vocab])
+    with demo_manager(tmp_path_factory.mktemp("state_key_tok"), 40, max_threads=1, steering=False,
+                      mask_cache_size=256) as m:
+        yield m
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -128,7 +116,7 @@ def _walk(manager, name: str) -> tuple[list, int]:
                 cross += first_hist != hist
             else:
                 seen[k] = (row[0].clone(), hist)
-            allowed = _allowed(row[0], vocab)
+            allowed = allowed_tokens(row[0], vocab)
             pick = [t for t in allowed if t in single] if walk % 2 and rng.random() < 0.7 else []
             tok = int(rng.choice(pick or list(allowed)))
             assert m.accept_token(tok)
@@ -208,38 +196,12 @@ def test_state_masks_kept_from_the_second_computation_in_a_bounded_lru():
     assert cache.lookup(b) is None and cache.stats()["mask_cache_masks"] == 0
 
 
-def _seq(manager, params):
-    s = SimpleNamespace(params=params, grammar=None, num_output_tokens=0, num_tokens=5)
-    manager.add(s)
-    return s
-
-
 def _engine_walk(manager, seed: int) -> tuple[list[list[int]], int]:
     """Rows through masks_for/advance as the engine drives them; each step every slot must equal a fresh
     fill of its matcher. Returns the tokens picked per row and the rows served by copy."""
-    rng = random.Random(seed)
     before = manager.mask_stats()
     params = SamplingParams(max_tokens=40, json_schema=SCHEMAS["bench_like"])
-    seqs = [_seq(manager, params) for _ in range(10)]
-    fresh = manager.allocate_bitmask(1)
-    picked: list[list[int]] = [[] for _ in seqs]
-    for _ in range(40):
-        alive = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None]
-        if not alive:
-            break
-        manager.masks_for([s for _, s in alive]).wait()
-        for i, s in alive:
-            manager.backend.fill_bitmasks([(0, s.grammar.matcher)], fresh)
-            assert torch.equal(manager.slots.buffer[s.grammar.slot], fresh[0])
-            tok = int(rng.choice(list(_allowed(fresh[0], manager.vocab_size))))
-            picked[i].append(tok)
-            s.num_output_tokens += 1
-            s.num_tokens += 1
-            if manager.advance(s, tok) or s.num_output_tokens >= 40:
-                manager.free(s)
-    for s in seqs:
-        manager.free(s)
-    manager.slots.wait_idle()
+    picked = checked_walk(manager, params, rows=10, steps=40, seed=seed)
     after = manager.mask_stats()
     return picked, after["mask_cache_hits"] - before["mask_cache_hits"]
 

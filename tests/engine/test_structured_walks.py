@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer.engine import SamplingParams
-from deepinfer.engine.models.demo import write_tokenizer_files
 from deepinfer.engine.structured.manager import StructuredOutputManager
 from tokenizers import Tokenizer
 
 from tests.support.check import output_satisfies
 from tests.support.random_walk import random_walks
 from tests.support.spec_catalog import ALL_CASES, case_params_kwargs
+from tests.support.structured_demo import EOS_IDS, demo_tokenizer
 
 WALKS = 6
-EOS_IDS = (1, 3)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,10 +29,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("walk_tok")
-    write_tokenizer_files(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    return d / "tokenizer.json", tok, tok.get_vocab_size() + 64
+    path, size = demo_tokenizer(tmp_path_factory.mktemp("walk_tok"))
+    return path, Tokenizer.from_file(str(path)), size + 64
 
 
 def _walk_table(setup, steering: bool) -> dict[str, list]:

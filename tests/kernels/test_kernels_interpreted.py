@@ -13,6 +13,8 @@ speed — tests/kernels/test_kernels_gpu.py covers those.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from deepinfer.kernels.metadata import KV_CHUNK
@@ -23,7 +25,14 @@ from deepinfer.kernels.reference.rmsnorm import rms_norm_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import SeqStep, build_metadata, gather_rows, random_block_lists
+from tests.support.paged_batches import (
+    SeqStep,
+    build_metadata,
+    check_rows_bitwise,
+    gather_rows,
+    random_block_lists,
+    rows_by_position,
+)
 
 _KERNEL_MODULES = ("matmul", "rmsnorm", "activation", "store_kv", "paged_attention")
 
@@ -289,15 +298,8 @@ def test_paged_attention_is_invariant_to_scheduling(kmods):
     lens = [45, 83]
     blocks, q, k_cache, v_cache = _attention_setup(kmods, lens, hq, hkv, d, bs, seed=2)
     full, *_ = _run_step(kmods, blocks, q, k_cache, v_cache, [(b, 0, n) for b, n in enumerate(lens)], bs)
-    starts = [0, lens[0]]
-    want = {(b, p): full[starts[b] + p] for b, n in enumerate(lens) for p in range(n)}
-
-    def check(rows, out, label):
-        i = 0
-        for b, lo, ctx in rows:
-            for p in range(lo, ctx):
-                assert torch.equal(out[i], want[(b, p)]), f"{label}: seq {b} position {p}"
-                i += 1
+    want = rows_by_position(full, lens)
+    check = functools.partial(check_rows_bitwise, want)   # check(rows, out, label)
 
     # decode: every position of both sequences as one-token steps, all in one batch
     rows = [(b, p, p + 1) for b, n in enumerate(lens) for p in range(n)]

@@ -3,12 +3,21 @@ references, and bitwise invariance of a token's result to batch, prefill/decode 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from deepinfer.kernels.reference.mla import store_mla_ref
 from deepinfer.kernels.reference.mla_decode import head_proj_ref, mla_decode_ref
 
-from tests.support.paged_batches import SeqStep, build_metadata, gather_rows, random_block_lists
+from tests.support.paged_batches import (
+    SeqStep,
+    build_metadata,
+    check_rows_bitwise,
+    gather_rows,
+    random_block_lists,
+    rows_by_position,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -62,15 +71,8 @@ def test_mla_decode_is_bitwise_invariant_to_scheduling(mk, monkeypatch):
     lens = [1300, 600, 90]
     blocks, q, cache = _setup(lens, 16, torch.bfloat16, seed=3)
     full, *_ = _run(mk, blocks, q, cache, [(b, 0, n) for b, n in enumerate(lens)])
-    starts = [0, lens[0], lens[0] + lens[1]]
-    want = {(b, p): full[starts[b] + p] for b, n in enumerate(lens) for p in range(n)}
-
-    def check(rows, out, label):
-        i = 0
-        for b, lo, ctx in rows:
-            for p in range(lo, ctx):
-                assert torch.equal(out[i], want[(b, p)]), f"{label}: seq {b} position {p}"
-                i += 1
+    want = rows_by_position(full, lens)
+    check = functools.partial(check_rows_bitwise, want)   # check(rows, out, label)
 
     for rows in ([(0, 1299, 1300)], [(0, 1299, 1300), (1, 599, 600), (2, 89, 90)],
                  [(2, 89, 90), (0, 700, 701), (1, 511, 512)], [(1, 512, 513)]):

@@ -41,3 +41,28 @@ def hf_step_logits(model, prompt: list[int], steps: int) -> tuple[list[torch.Ten
             tokens.append(int(logits[-1][-1].argmax()))
             logits.append(model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0])
     return logits, tokens
+
+
+def check_chunked_prefill_and_decode(model: torch.nn.Module, cfg, hf_model, a: list[int], b: list[int],
+                                     a_chunks: list[int], steps: int) -> None:
+    """Two sequences through a PagedBatchRunner: `a` prefilled in chunks of `a_chunks` tokens (the first
+    beside all of `b`), then `steps` batched greedy decode steps on HF's tokens; every row within 1e-4 of
+    transformers' own logits (`hf_step_logits`)."""
+    from tests.support.paged_runner import PagedBatchRunner
+
+    assert sum(a_chunks) == len(a), (a_chunks, len(a))
+    ref_a, toks_a = hf_step_logits(hf_model, a, steps)
+    ref_b, toks_b = hf_step_logits(hf_model, b, steps)
+    runner = PagedBatchRunner(model, cfg)
+    runner.add("a", a)
+    runner.add("b", b)
+    first = runner.step([("a", a_chunks[0]), ("b", len(b))])
+    parts = [first["a"]] + [runner.step([("a", n)])["a"] for n in a_chunks[1:]]
+    torch.testing.assert_close(torch.cat(parts), ref_a[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(first["b"], ref_b[0], atol=1e-4, rtol=0)
+    for step in range(steps):
+        runner.append("a", toks_a[step])
+        runner.append("b", toks_b[step])
+        got = runner.step([("b", 1), ("a", 1)])
+        torch.testing.assert_close(got["a"], ref_a[step + 1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got["b"], ref_b[step + 1], atol=1e-4, rtol=0)

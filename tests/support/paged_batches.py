@@ -74,3 +74,20 @@ def build_metadata(steps: Sequence[SeqStep], block_size: int, device: torch.devi
 def gather_rows(per_seq: Sequence[torch.Tensor], steps: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     """Concatenate per_seq[b][start:end] for each (b, start, end): the step's query rows in order."""
     return torch.cat([per_seq[b][start:end] for b, start, end in steps], dim=0)
+
+
+def rows_by_position(full: torch.Tensor, lens: Sequence[int]) -> dict[tuple[int, int], torch.Tensor]:
+    """A full prefill's output rows (sequences back to back, lens[b] rows each) by (sequence, position)."""
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    return {(b, p): full[starts[b] + p] for b, n in enumerate(lens) for p in range(n)}
+
+
+def check_rows_bitwise(want: dict[tuple[int, int], torch.Tensor], rows: Sequence[tuple[int, int, int]],
+                       out: torch.Tensor, label: str) -> None:
+    """`out` holds one row per position lo .. ctx - 1 of each (sequence, lo, ctx) of `rows`, in order; each
+    must be bitwise want[(sequence, position)] (`rows_by_position` of a full prefill)."""
+    i = 0
+    for b, lo, ctx in rows:
+        for p in range(lo, ctx):
+            assert torch.equal(out[i], want[(b, p)]), f"{label}: seq {b} position {p}"
+            i += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
-def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> None:
-    """A shard of `model.layers.{L}.*` tensors shaped like DeepSeek-V3's MTP module, listed in the index."""
+def add_indexed_shard(path: Path, shard: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Save `tensors` as the safetensors file `shard` of the sharded checkpoint at `path` and list them in
+    its model.safetensors.index.json."""
     from safetensors.torch import save_file
 
+    save_file(tensors, str(path / shard), metadata={"format": "pt"})
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text(encoding="utf-8"))
+    index["weight_map"].update({name: shard for name in tensors})
+    index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> None:
+    """A shard of `model.layers.{L}.*` tensors shaped like DeepSeek-V3's MTP module, listed in the index."""
     gen = torch.Generator().manual_seed(seed + 1)
     layer, hidden = f"model.layers.{cfg.num_hidden_layers}", cfg.hidden_size
     shapes = {
@@ -89,12 +100,7 @@ def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> None:
         "mlp.gate.e_score_correction_bias": (cfg.n_routed_experts,),
     }
     tensors = {f"{layer}.{k}": torch.randn(s, generator=gen) for k, s in shapes.items()}
-    shard = "model-mtp.safetensors"
-    save_file(tensors, str(path / shard), metadata={"format": "pt"})
-    index_path = path / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text(encoding="utf-8"))
-    index["weight_map"].update({name: shard for name in tensors})
-    index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+    add_indexed_shard(path, "model-mtp.safetensors", tensors)
 
 
 def _zero_outputs(tensors: dict[str, torch.Tensor]) -> None:
@@ -185,6 +191,19 @@ def make_tiny_deepseek(variant: str, path: str | Path, seed: int = 0) -> Path:
     gen_cfg = {"bos_token_id": bos, "eos_token_id": [eos, im_end], "pad_token_id": pad}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def tiny_deepseek_builder(root: str | Path) -> Callable[[str], Path]:
+    """variant -> its checkpoint under `root`/variant, built on the first request only (a module fixture's
+    value: each test module builds only the variants it runs, once)."""
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = make_tiny_deepseek(variant, Path(root) / variant)
+        return built[variant]
+
+    return get
 
 
 def write_fused_experts_copy(src: str | Path, dst: str | Path) -> Path:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from deepinfer.engine.models.demo import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, write_tokenizer_files
 
+from tests.support.tiny_deepseek import add_indexed_shard
+
 WEIGHT_STD = 0.1
 WINDOW = 8
 TINY_V4: dict[str, Any] = dict(
@@ -102,8 +104,6 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import save_file
-
     gen = torch.Generator().manual_seed(seed + 1)
     hidden = cfg.hidden_size
     shapes = {
@@ -115,12 +115,7 @@ def _add_fake_mtp_shard(path: Path, cfg: Any, seed: int) -> dict[str, torch.Tens
         "mtp.0.norm.weight": (hidden,),
     }
     tensors = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
-    shard = "model-mtp.safetensors"
-    save_file(tensors, str(path / shard), metadata={"format": "pt"})
-    index_path = path / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text(encoding="utf-8"))
-    index["weight_map"].update({name: shard for name in tensors})
-    index_path.write_text(json.dumps(index, indent=2), encoding="utf-8")
+    add_indexed_shard(path, "model-mtp.safetensors", tensors)
     return tensors
 
 
