@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, StepRecorder, add_rates, compare_arms, spread, sync
+from common import JsonOut, StepRecorder, add_rates, compare_arms, measure_hf_runs, measure_runs, spread, sync
 
 CEILING_FLOPS = 780e12
 CEILING_BYTES_S = 4.2e12
@@ -151,29 +151,13 @@ def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: Js
     from deepinfer.engine import LLM, SamplingParams
 
     kw = (dict(gpu_memory_utilization=0.85) if args.device == "cuda" else dict(num_kv_blocks=256))
+    # No prefix cache: the measured runs repeat the warm-up's prompts; HF recomputes their prefill too.
     llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
               deterministic=deterministic, max_model_len=args.prompt_len + args.output_len + 16,
-              max_num_seqs=len(prompts), max_num_batched_tokens=16384, **kw)
+              max_num_seqs=len(prompts), max_num_batched_tokens=16384, enable_prefix_caching=False, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rec = StepRecorder(llm)
-
-    def one() -> tuple[float, list]:
-        sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        sync()
-        rec.end()
-        return time.perf_counter() - t0, [o.token_ids for o in outs]
-
-    one()  # full-size warm-up: every kernel and batch shape of the measured runs compiled once
-    rec.reset()
-    seconds, first = [], None
-    for i in range(args.runs):
-        dt, toks = one()
-        seconds.append(dt)
-        first = first or toks
-        out.line({"arm": mode, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
-                  "same_tokens_as_run0": toks == first})
+    seconds, first = measure_runs(llm, prompts, sp, rec, args.runs, out, mode)
     result = {"seconds": spread(seconds), "output_tokens": sum(map(len, first)), "steps": rec.host_summary(),
               "tokens": [t[:8] for t in first[:4]],
               "kv_cache": {"bytes_per_token": llm.kv_cache_spec.bytes_per_token,
@@ -193,26 +177,9 @@ def bench_hf(model_dir: Path, prompts, args, out: JsonOut) -> dict:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ids_all = torch.tensor(prompts, device=args.device)
     batch = args.hf_batch or len(prompts)
-
-    def one() -> tuple[float, int]:
-        sync()
-        t0 = time.perf_counter()
-        n_out = 0
-        for i in range(0, len(prompts), batch):
-            ids = ids_all[i:i + batch]
-            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                               min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
-            n_out += (o.shape[1] - ids.shape[1]) * ids.shape[0]
-        sync()
-        return time.perf_counter() - t0, n_out
-
     with torch.no_grad():
-        one()  # full-size warm-up, as for deepinfer
-        seconds = []
-        for i in range(args.hf_runs or args.runs):
-            dt, n_out = one()
-            seconds.append(dt)
-            out.line({"arm": "hf", "run": i, "seconds": dt, "output_tokens": n_out})
+        runs = args.hf_runs or args.runs
+        seconds, n_out = measure_hf_runs(model, ids_all, batch, args.output_len, runs, out)
     impl = getattr(model.config, "_experts_implementation", None)
     return {"seconds": spread(seconds), "output_tokens": n_out, "experts_implementation": impl}
 

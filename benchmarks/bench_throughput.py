@@ -11,6 +11,11 @@ Each arm loads once, runs one full warm-up, then `--runs` measured runs (median,
 Random weights (deepinfer: `load_format="dummy"`; HF: `from_config`), prompts of random token ids,
 every request forced to `--output-len` tokens (ignore_eos / min_new_tokens). The compute ceiling is
 780e12 / (2 * params) tokens/s (bf16 matmul measured on the H200; see shared GPU notes).
+
+Prefix caching is off by default: the measured runs repeat the warm-up's prompts, and with the cache on
+each run would take ~97% of its prompt tokens from the cache (HF recomputes them every time), so the
+prompt tokens in "total tok/s" and the share of the ceiling would not have been computed. `--prefix-cache`
+turns it on (how this benchmark ran until 2026-12-02, 03:30 UTC: its figures before then are mostly decode).
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, StepRecorder, add_rates, compare_arms, spread, sync
+from common import (
+    JsonOut,
+    StepRecorder,
+    add_rates,
+    compare_arms,
+    measure_hf_runs,
+    measure_runs,
+    spread,
+    timed_generate,
+)
 from shapes import PARAMS, write_shape
 
 CEILING_FLOPS = 780e12
@@ -35,41 +49,25 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
-                    profile_steps: bool, out: JsonOut, mode: str) -> dict:
+                    profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
-              max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
+              max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85,
+              enable_prefix_caching=prefix_cache)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rec = StepRecorder(llm)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 
-    def one() -> tuple[float, list]:
-        sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        sync()
-        rec.end()
-        return time.perf_counter() - t0, outs
-
-    one()  # full-size warm-up: every batch shape of the measured runs has been seen once
-    rec.reset()
-    seconds, first = [], None
-    for i in range(runs):
-        dt, outs = one()
-        seconds.append(dt)
-        toks = [o.token_ids for o in outs]
-        first = first or toks
-        out.line({"arm": mode, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
-                  "same_tokens_as_run0": toks == first})
+    seconds, first = measure_runs(llm, prompts, sp, rec, runs, out, mode)
     n_out = sum(map(len, first))
     result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
               "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
     if profile_steps:
         rec.reset()
         with rec.profiled():
-            dt, _ = one()
+            dt, _ = timed_generate(llm, prompts, sp, rec)
         result["profile"] = {"seconds": dt, "per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
     return result  # the engine goes with this frame; main() then frees its GPU memory
 
@@ -114,28 +112,10 @@ def bench_hf(model_dir: Path, prompts, output_len: int, batch: int, runs: int, o
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
     ids_all = torch.tensor(prompts, device="cuda")
-
-    def one() -> tuple[float, int]:
-        sync()
-        t0 = time.perf_counter()
-        n_out = 0
-        for i in range(0, len(prompts), batch):
-            ids = ids_all[i:i + batch]
-            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                               min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-            n_out += (o.shape[1] - ids.shape[1]) * ids.shape[0]
-        sync()
-        return time.perf_counter() - t0, n_out
-
     with torch.no_grad():
         model.generate(ids_all[:2], attention_mask=torch.ones_like(ids_all[:2]), max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
-        one()  # full-size warm-up, as for deepinfer
-        seconds = []
-        for i in range(runs):
-            dt, n_out = one()
-            seconds.append(dt)
-            out.line({"arm": "hf", "run": i, "seconds": dt, "output_tokens": n_out})
+        seconds, n_out = measure_hf_runs(model, ids_all, batch, output_len, runs, out)
     return {"seconds": spread(seconds), "output_tokens": n_out}
 
 
@@ -152,6 +132,8 @@ def main() -> None:
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table here and exit")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="keep prefix caching on (the measured runs then reuse the warm-up's prompt KV)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
@@ -170,7 +152,7 @@ def main() -> None:
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
             r = bench_deepinfer(model_dir, prompts, args.output_len, mode == "deterministic", args.runs,
-                                args.profile_steps, out, mode)
+                                args.profile_steps, out, mode, args.prefix_cache)
         gc.collect()
         torch.cuda.empty_cache()
         add_rates(r, total_in, ceiling)
