@@ -29,7 +29,7 @@ and the planner's proof covers a bucket that falls back to pointer loads like an
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -154,7 +154,24 @@ class MatmulPlanner(BucketPlanner[MatmulConfig]):
     @staticmethod
     def _agree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                buckets: tuple[tuple[int | None, MatmulConfig], ...]) -> bool:
-        return outputs_agree(lambda cfg: bi_linear(x, weight, bias, config=cfg), [cfg for _, cfg in buckets])
+        # Fixed random rows, not the call's own: an engine's first call per shape can be the CUDA-graph
+        # warm-up on zeroed buffers (an o-proj input of zeros agrees under any config, proving nothing).
+        # Each config also runs with pointer loads: a call TMA cannot read must keep the others' bits.
+        probe = _probe_rows(weight.shape[1], x.dtype, x.device)
+        configs: list[MatmulConfig] = []
+        for _, cfg in buckets:
+            for variant in (cfg, replace(cfg, tma=False)):
+                if variant not in configs:
+                    configs.append(variant)
+        return outputs_agree(lambda cfg: bi_linear(probe, weight, bias, config=cfg), configs)
+
+
+_PROBE_ROWS = 300   # more than one tile of every bucket config, fewer than a prefill chunk
+
+
+def _probe_rows(k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(_PROBE_ROWS, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
 @functools.cache

@@ -134,6 +134,18 @@ def test_planner_uses_buckets_only_after_they_agree_and_decides_once(kmods, monk
         assert doubtful.config(x[:rows], w, None) == mm.matmul_config(n, k, torch.float32)
 
 
+def test_planner_proof_does_not_trust_degenerate_call_operands(kmods):
+    # A CUDA-graph warm-up's first call can carry all-zero rows: every config "agrees" on them. The proof
+    # must multiply its own random rows, so configs with different K chains are still told apart.
+    mm = kmods["matmul"]
+    zeros, w = torch.zeros(8, 64), _rand(96, 64, seed=4)
+    k16 = mm.MatmulConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    k32 = mm.MatmulConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    assert torch.equal(mm.bi_linear(zeros, w, config=k16), mm.bi_linear(zeros, w, config=k32))
+    assert not mm.MatmulPlanner._agree(zeros, w, None, ((16, k16), (None, k32)))
+    assert mm.MatmulPlanner._agree(zeros, w, None, ((16, k32), (None, k32)))
+
+
 def test_planner_agreement_check_compares_real_outputs(kmods):
     mm = kmods["matmul"]
     x, w = _rand(40, 64, seed=3), _rand(96, 64, seed=4)
