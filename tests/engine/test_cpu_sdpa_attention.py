@@ -3,6 +3,9 @@
 A token's bits must not depend on the other sequences of its batch, the batch size, where its prompt was
 split into prefill chunks (a PREFILL_TILE tile or a one-token entry), padding, or what the slots past its
 context hold; where a probe fails the fallback forms give the same bits; and the result is attention.
+The specification both CPU attentions share (batch and prefill-split invariance, slots past the context,
+bf16, the sign of zeros) is tests/engine/test_cpu_tiled_attention.py, parametrized over both; this file
+adds what is particular to the SDPA form.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from deepinfer.kernels.reference.attention import paged_attention_ref
 
 from tests.engine.test_cpu_ops import _paged_batch
 from tests.engine.test_cpu_tiled_attention import _Cache, _queries
+from tests.engine.test_cpu_tiled_attention import _run as run_attention
 
 INV = make_ops("cpu", deterministic=True)
 
@@ -24,9 +28,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(cache: _Cache, qs: list[torch.Tensor], runs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    meta = cache.meta(runs)
-    q = torch.cat([qs[s][a:c] for s, a, c in runs])
-    return list(sa.sdpa_paged_attention(q, cache.k, cache.v, meta, 0.125).split(meta.query_lens_cpu))
+    return run_attention(cache, qs, runs, sa.sdpa_paged_attention)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -39,22 +41,6 @@ def test_sdpa_attention_matches_plain_attention(block_size, heads):
     expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(_bits(INV.attention(q, k_cache, v_cache, meta, 0.25)), _bits(out)), "the ops' path"
-
-
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("split", [1, 31, 32, 45, 69])
-def test_token_bits_independent_of_batch_and_prefill_split(batch, split):
-    lengths = [70, 3, 150, 33, 64, 1, 97, 40][:batch]
-    cache = _Cache(lengths, 16, 3, 16, seed=batch)
-    qs = _queries(lengths, 9, 16)
-    whole = _run(cache, qs, [(0, 0, lengths[0])])[0]                  # sequence 0 alone, one prefill
-    others = [(s, (n - 1) if s % 2 else 0, n) for s, n in enumerate(lengths) if s]
-    first = _run(cache, qs, [*others, (0, 0, split)])[-1]
-    second = _run(cache, qs, [(0, split, lengths[0]), *others[::-1]])[0]
-    assert torch.equal(_bits(torch.cat([first, second])), _bits(whole))
-    for p in (0, split - 1, lengths[0] - 1):                           # as decode steps would see them
-        alone = _run(cache, qs, [*others, (0, p, p + 1)])[-1]
-        assert torch.equal(_bits(alone[0]), _bits(whole[p])), f"position {p}"
 
 
 def test_decode_bits_independent_of_the_batch_at_two_threads():
@@ -70,40 +56,6 @@ def test_decode_bits_independent_of_the_batch_at_two_threads():
             assert torch.equal(_bits(_run(cache, qs, [(s, n - 1, n)])[0]), _bits(together[s])), f"seq {s}"
     finally:
         torch.set_num_threads(before)
-
-
-def test_nan_in_slots_past_the_context_does_not_leak():
-    cache = _Cache([40, 20], 16, 2, 16, seed=3)
-    qs = _queries([40, 20], 4, 16)
-    clean = _run(cache, qs, [(0, 0, 40), (1, 19, 20)])
-    for table, n in zip(cache.tables, (40, 20)):  # poison every slot past each context
-        for i, blk in enumerate(table):
-            lo = max(0, n - i * 16)
-            if lo < 16:
-                cache.k[blk, lo:], cache.v[blk, lo:] = float("nan"), float("nan")
-    poisoned = _run(cache, qs, [(0, 0, 40), (1, 19, 20)])
-    for a, b in zip(clean, poisoned):
-        assert torch.equal(_bits(a), _bits(b))
-
-
-def test_bfloat16_cache_matches_plain_attention_and_is_split_invariant():
-    cache = _Cache([50, 9], 16, 1, 16, seed=4)
-    cache.k, cache.v = cache.k.bfloat16(), cache.v.bfloat16()
-    qs = [q.bfloat16() for q in _queries([50, 9], 3, 16)]
-    whole = _run(cache, qs, [(0, 0, 50), (1, 8, 9)])
-    meta = cache.meta([(0, 0, 50), (1, 8, 9)])
-    expected = paged_attention_ref(torch.cat([qs[0], qs[1][8:]]), cache.k, cache.v, meta, 0.125)
-    torch.testing.assert_close(torch.cat(whole).float(), expected.float(), atol=2e-2, rtol=2e-2)
-    alone = _run(cache, qs, [(0, 49, 50)])[0]
-    assert torch.equal(_bits(alone[0]), _bits(whole[0][49]))
-
-
-def test_zero_output_has_one_sign():
-    k_cache, v_cache, meta = _paged_batch([(20, 20), (3, 1)], 16, 1, 16, seed=5)
-    v_cache.zero_()
-    v_cache.neg_()  # -0.0 everywhere
-    out = sa.sdpa_paged_attention(torch.randn(meta.num_tokens, 1, 16), k_cache, v_cache, meta, 0.25)
-    assert not torch.signbit(out).any()
 
 
 @pytest.mark.parametrize("passing", ["none", "one-token", "both"])

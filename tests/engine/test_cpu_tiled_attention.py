@@ -7,6 +7,8 @@ rows, keys and matrices; and the result must be attention (checked against the p
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from deepinfer.engine.layers.backends import make_ops
@@ -60,10 +62,16 @@ def _queries(lengths: list[int], num_q_heads: int, head_dim: int) -> list[torch.
     return [torch.randn(n, num_q_heads, head_dim, generator=gen) for n in lengths]
 
 
-def _run(cache: _Cache, qs: list[torch.Tensor], runs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+# The CPU deterministic attentions that must meet the same specification (the tests parametrized by
+# `attend`); tests/engine/test_cpu_sdpa_attention.py adds what is particular to the SDPA form.
+ATTENTIONS = {"tiled": ta.tiled_paged_attention, "sdpa": sdpa_paged_attention}
+
+
+def _run(cache: _Cache, qs: list[torch.Tensor], runs: list[tuple[int, int, int]],
+         attend=ta.tiled_paged_attention) -> list[torch.Tensor]:
     meta = cache.meta(runs)
     q = torch.cat([qs[s][a:c] for s, a, c in runs])
-    out = ta.tiled_paged_attention(q, cache.k, cache.v, meta, 0.125)
+    out = attend(q, cache.k, cache.v, meta, 0.125)
     assert out is not None, "the probes rejected the tiling on this machine"
     return list(out.split(meta.query_lens_cpu))
 
@@ -81,55 +89,60 @@ def test_tiled_attention_matches_plain_attention(block_size, heads):
     torch.testing.assert_close(INV.attention(q, k_cache, v_cache, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("split", [1, 31, 32, 45, 69])
-def test_token_bits_independent_of_batch_and_prefill_split(batch, split):
+def test_token_bits_independent_of_batch_and_prefill_split(batch, split, attend):
     lengths = [70, 3, 150, 33, 64, 1, 97, 40][:batch]
     cache = _Cache(lengths, 16, 3, 16, seed=batch)
     qs = _queries(lengths, 9, 16)
-    whole = _run(cache, qs, [(0, 0, lengths[0])])[0]                  # sequence 0 alone, one prefill
+    run = functools.partial(_run, attend=attend)
+    whole = run(cache, qs, [(0, 0, lengths[0])])[0]                   # sequence 0 alone, one prefill
     # The same prompt split into two steps, each beside other sequences' prefills and decodes.
     others = [(s, (n - 1) if s % 2 else 0, n) for s, n in enumerate(lengths) if s]
-    first = _run(cache, qs, [*others, (0, 0, split)])[-1]
-    second = _run(cache, qs, [(0, split, lengths[0]), *others[::-1]])[0]
+    first = run(cache, qs, [*others, (0, 0, split)])[-1]
+    second = run(cache, qs, [(0, split, lengths[0]), *others[::-1]])[0]
     assert torch.equal(_bits(torch.cat([first, second])), _bits(whole))
     # Token by token (every token alone in a one-token tile), as decode steps would see them.
     for p in (0, split - 1, lengths[0] - 1):
-        alone = _run(cache, qs, [*others, (0, p, p + 1)])[-1]
+        alone = run(cache, qs, [*others, (0, p, p + 1)])[-1]
         assert torch.equal(_bits(alone[0]), _bits(whole[p])), f"position {p}"
 
 
-def test_nan_in_slots_past_the_context_does_not_leak():
+@pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
+def test_nan_in_slots_past_the_context_does_not_leak(attend):
     cache = _Cache([40, 20], 16, 2, 16, seed=3)
     qs = _queries([40, 20], 4, 16)
-    clean = _run(cache, qs, [(0, 0, 40), (1, 19, 20)])
+    clean = _run(cache, qs, [(0, 0, 40), (1, 19, 20)], attend)
     for table, n in zip(cache.tables, (40, 20)):  # poison every slot past each context
         for i, blk in enumerate(table):
             lo = max(0, n - i * 16)
             if lo < 16:
                 cache.k[blk, lo:], cache.v[blk, lo:] = float("nan"), float("nan")
-    poisoned = _run(cache, qs, [(0, 0, 40), (1, 19, 20)])
+    poisoned = _run(cache, qs, [(0, 0, 40), (1, 19, 20)], attend)
     for a, b in zip(clean, poisoned):
         assert torch.equal(_bits(a), _bits(b))
 
 
-def test_bfloat16_cache_matches_plain_attention_and_is_split_invariant():
+@pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
+def test_bfloat16_cache_matches_plain_attention_and_is_split_invariant(attend):
     cache = _Cache([50, 9], 16, 1, 16, seed=4)
     cache.k, cache.v = cache.k.bfloat16(), cache.v.bfloat16()
     qs = [q.bfloat16() for q in _queries([50, 9], 3, 16)]
-    whole = _run(cache, qs, [(0, 0, 50), (1, 8, 9)])
+    whole = _run(cache, qs, [(0, 0, 50), (1, 8, 9)], attend)
     meta = cache.meta([(0, 0, 50), (1, 8, 9)])
     expected = paged_attention_ref(torch.cat([qs[0], qs[1][8:]]), cache.k, cache.v, meta, 0.125)
     torch.testing.assert_close(torch.cat(whole).float(), expected.float(), atol=2e-2, rtol=2e-2)
-    alone = _run(cache, qs, [(0, 49, 50)])[0]
+    alone = _run(cache, qs, [(0, 49, 50)], attend)[0]
     assert torch.equal(_bits(alone[0]), _bits(whole[0][49]))
 
 
-def test_zero_output_has_one_sign():
+@pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
+def test_zero_output_has_one_sign(attend):
     k_cache, v_cache, meta = _paged_batch([(20, 20), (3, 1)], 16, 1, 16, seed=5)
     v_cache.zero_()
     v_cache.neg_()  # -0.0 everywhere
-    out = ta.tiled_paged_attention(torch.randn(meta.num_tokens, 1, 16), k_cache, v_cache, meta, 0.25)
+    out = attend(torch.randn(meta.num_tokens, 1, 16), k_cache, v_cache, meta, 0.25)
     assert not torch.signbit(out).any()
 
 
