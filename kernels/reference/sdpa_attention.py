@@ -29,7 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from deepinfer.kernels.metadata import AttentionMetadata
-from deepinfer.kernels.reference.tiled_attention import KEY_BLOCK, PREFILL_TILE, _bits_equal
+from deepinfer.kernels.reference.tiled_attention import (
+    KEY_BLOCK,
+    PREFILL_TILE,
+    _bits_equal,
+    inputs_match,
+    metadata_inputs,
+    plan_key,
+)
 
 # Entries per probed call (work items land on other threads as the count changes), by kind; a tile probe
 # checks these of its tokens against their canonical calls (first, second, middle, last row groups).
@@ -158,18 +165,7 @@ class SdpaPlan:
     def fits(self, meta: AttentionMetadata, key: tuple) -> bool:
         """Whether this plan was built from metadata with these values and these shapes (compared by value,
         so a metadata object updated in place never gets a stale plan)."""
-        pos, seq_lens, tables, qlens = self.inputs
-        return (key == self.key and meta.query_lens_cpu == qlens and _same(meta.positions, pos)
-                and _same(meta.seq_lens, seq_lens) and _same(meta.block_tables, tables))
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-
-
-def plan_key(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> tuple:
-    """What a plan depends on besides the metadata: head shapes, block size, thread count (probes)."""
-    return (num_q_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads())
+        return key == self.key and inputs_match(self.inputs, meta)
 
 
 def _groups(meta: AttentionMetadata, positions: list[int], group: int, head_dim: int,
@@ -201,8 +197,7 @@ def plan_sdpa_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads:
     group = num_q_heads // num_kv_heads
     num_tokens = meta.num_tokens
     key = plan_key(num_q_heads, num_kv_heads, head_dim, block_size)
-    inputs = (meta.positions.clone(), meta.seq_lens.clone(), meta.block_tables.clone(),
-              list(meta.query_lens_cpu))
+    inputs = metadata_inputs(meta)
     if num_tokens == 0:
         return SdpaPlan(key, inputs, ())
     positions = meta.positions.tolist()

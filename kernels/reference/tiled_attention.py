@@ -182,9 +182,20 @@ class AttentionPlan:
     def fits(self, meta: AttentionMetadata, key: tuple) -> bool:
         """Whether this plan was built from metadata with these values (compared by value, so a reused
         metadata object updated in place never gets a stale plan) and these shapes."""
-        pos, seq_lens, tables, qlens = self.inputs
-        return (key == self.key and meta.query_lens_cpu == qlens and _same(meta.positions, pos)
-                and _same(meta.seq_lens, seq_lens) and _same(meta.block_tables, tables))
+        return key == self.key and inputs_match(self.inputs, meta)
+
+
+def metadata_inputs(meta: AttentionMetadata) -> tuple:
+    """Copies of what a step plan (this module's and sdpa_attention's) is built from, for `inputs_match`."""
+    return (meta.positions.clone(), meta.seq_lens.clone(), meta.block_tables.clone(),
+            list(meta.query_lens_cpu))
+
+
+def inputs_match(inputs: tuple, meta: AttentionMetadata) -> bool:
+    """Whether `meta` holds the values (and shapes) `metadata_inputs` copied."""
+    pos, seq_lens, tables, qlens = inputs
+    return (meta.query_lens_cpu == qlens and _same(meta.positions, pos) and _same(meta.seq_lens, seq_lens)
+            and _same(meta.block_tables, tables))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -202,8 +213,7 @@ def plan_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int,
     group = num_q_heads // num_kv_heads
     num_tokens = meta.num_tokens
     key = plan_key(num_q_heads, num_kv_heads, head_dim, block_size)
-    inputs = (meta.positions.clone(), meta.seq_lens.clone(), meta.block_tables.clone(),
-              list(meta.query_lens_cpu))
+    inputs = metadata_inputs(meta)
     if num_tokens == 0:
         return AttentionPlan(key, inputs, ())
     positions = meta.positions.tolist()
