@@ -1,5 +1,6 @@
-"""The fp32 `tl.dot` chain over K that the GEMM kernels share (kernels/matmul.py's unsplit and split-K
-kernels, kernels/mla_proj.py's per-head projection).
+"""What the GEMM kernels share: the fp32 `tl.dot` chain over K (kernels/matmul.py's unsplit and split-K
+kernels, kernels/mla_proj.py's per-head projection) and the grouped tile order (matmul.py's kernels and
+the TMA one in kernels/matmul_tma.py; it only decides which program computes a tile, never its bits).
 
 Triton inlines a jit helper into its caller, so a kernel that calls it compiles to the code it had with the
 loop written out in its body (the sm_90 PTX of every caller was compared before and after: the same
@@ -35,3 +36,12 @@ def k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_w
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     return acc
+
+
+@triton.jit
+def grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile `tile` in grouped order: GROUP_M row tiles sweep the same
+    weight columns together, for L2 reuse. tiles_per_group = GROUP_M * (column tiles)."""
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree
-from deepinfer.kernels.gemm_parts import k_chain
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
 
@@ -187,13 +187,8 @@ _INTERPRETER_PROGRAMS = 4
 @triton.jit
 def _grouped_offsets(tile, num_pid_m, tiles_per_group, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUP_M: tl.constexpr):
-    """Row and column offsets of output tile `tile` in grouped order: GROUP_M row tiles sweep the same
-    weight columns together, for L2 reuse (both GEMM kernels' tile order)."""
-    group = tile // tiles_per_group
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
+    """Row and column offsets of output tile `tile` in grouped order (gemm_parts.grouped_tile_ids)."""
+    pid_m, pid_n = grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M)
     return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels.gemm_parts import grouped_tile_ids
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
@@ -44,11 +45,7 @@ def _bi_linear_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_group = GROUP_M * num_pid_n
     for tile in range(pid, num_tiles, num_programs):
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
+        pid_m, pid_n = grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(0, k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])

@@ -34,7 +34,7 @@ from tests.support.paged_batches import (
     rows_by_position,
 )
 
-_KERNEL_MODULES = ("matmul", "rmsnorm", "activation", "store_kv", "paged_attention")
+_KERNEL_MODULES = ("matmul", "matmul_tma", "rmsnorm", "activation", "store_kv", "paged_attention")
 
 skip_unless_interpreting("tests/kernels/test_kernels_cpu.py")
 
@@ -144,6 +144,26 @@ def test_planner_proof_does_not_trust_degenerate_call_operands(kmods):
     assert torch.equal(mm.bi_linear(zeros, w, config=k16), mm.bi_linear(zeros, w, config=k32))
     assert not mm.MatmulPlanner._agree(zeros, w, None, ((16, k16), (None, k32)))
     assert mm.MatmulPlanner._agree(zeros, w, None, ((16, k32), (None, k32)))
+
+
+@pytest.mark.parametrize("m,n,k,bias,persistent", [
+    (37, 40, 80, True, False),      # ragged M and N, K % BLOCK_K != 0 (TMA zero-fills, pointers mask)
+    (70, 33, 64, False, True),      # the persistent loop: 3 programs over 15 tiles in grouped order
+    (5, 16, 32, True, True),        # fewer rows than a tile
+])
+def test_tma_kernel_gives_the_pointer_kernels_bits(kmods, m, n, k, bias, persistent):
+    # Launched directly: on CPU bi_linear never takes TMA loads (tma_usable needs a CUDA device).
+    mm, tma = kmods["matmul"], kmods["matmul_tma"]
+    cfg = mm.MatmulConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2,
+                          persistent=persistent)
+    x, w = _rand(m, k, seed=5), _rand(n, k, seed=6)
+    b = _rand(n, seed=7) if bias else None
+    tiles = -(-m // 16) * -(-n // 16)
+    programs = min(tiles, 3) if persistent else tiles
+    got = tma.tma_launch(x, w, b, torch.empty(m, n), 16, 16, 32, 2, 4, 2, programs)
+    assert torch.equal(got, mm.bi_linear(x, w, b, config=cfg))
+    ref = bi_linear_ref(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 def test_planner_agreement_check_compares_real_outputs(kmods):
