@@ -17,17 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # The grouped order of kernels/fp8_matmul.grouped_tile, as the tile's (row, column) block indices.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % tiles_per_group) % group_rows, (pid % tiles_per_group) // group_rows
+from deepinfer.kernels.gemm_parts import grouped_tile_ids
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -35,7 +25,9 @@ def _block_tma_kernel(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, M, N, K
                       stride_asm, stride_bsn, stride_om,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_LOOP: tl.constexpr):
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # The grouped order of the pointer kernel (kernels/fp8_matmul.grouped_tile).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), num_pid_m, GROUP_M * tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)

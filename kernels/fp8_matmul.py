@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
 from deepinfer.kernels.fp8_block_tma import block_tma_launch
+from deepinfer.kernels.gemm_parts import grouped_tile_ids
 from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
@@ -205,12 +206,7 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     read while those are in L2): (offs_m, offs_n, rows, cols), where rows / cols past M / N read row /
     column 0 (int64), so the K loop needs no mask on them and those results are never stored."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (pid // tiles_per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % tiles_per_group) % group_rows
-    pid_n = (pid % tiles_per_group) // group_rows
+    pid_m, pid_n = grouped_tile_ids(pid, num_pid_m, GROUP_M * tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)

@@ -22,6 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels.gemm_parts import grouped_tile_ids
 
 
 @functools.cache
@@ -45,11 +46,8 @@ def _rowwise_tma_kernel(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, M, N,
     k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_group = GROUP_M * num_pid_n
     for tile in range(pid, num_tiles, num_programs):
-        # The grouped order of kernels/fp8_matmul.grouped_tile (the pointer kernel's), tile by tile.
-        first_m = (tile // tiles_per_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
+        # The grouped order of the pointer kernel (kernels/fp8_matmul.grouped_tile), tile by tile.
+        pid_m, pid_n = grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(0, k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])

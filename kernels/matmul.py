@@ -341,7 +341,8 @@ def bi_linear(
         programs = min(num_tiles, _num_sms(x.device.index if x.device.index is not None else 0))
     else:
         programs = min(num_tiles, _INTERPRETER_PROGRAMS)
-    if cfg.tma and tma_usable(x, weight):
+    # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
+    if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
                           cfg.num_warps, cfg.num_stages, programs)
     _bi_linear_kernel[(programs,)](

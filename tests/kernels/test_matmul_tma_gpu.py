@@ -1,7 +1,8 @@
 """GPU (Hopper, bf16): the GEMM with TMA tile loads (MatmulConfig.tma, kernels/matmul_tma.py) gives the same
 bits as the pointer-load kernel with the same tile config, for every row count, with bias, ragged M/N and
-a K that is not a multiple of BLOCK_K; operands TMA cannot read (a strided view) fall back to the pointer
-kernel and still give the same bits; the result matches the float32 reference.
+a K that is not a multiple of BLOCK_K; operands TMA cannot read (a strided view), and float32 operands (the
+TMA kernel has no IEEE dot), fall back to the pointer kernel and still give the same bits; the result
+matches the float32 reference.
 """
 
 from __future__ import annotations
@@ -73,3 +74,12 @@ def test_operands_tma_cannot_read_fall_back_with_the_same_bits(mm):
     assert not tma_usable(x, w)
     expected = mm.bi_linear(x.contiguous(), w, config=dataclasses.replace(cfg, tma=False))
     assert torch.equal(mm.bi_linear(x, w, config=cfg), expected)
+
+
+def test_float32_operands_keep_ieee_dots_under_a_tma_config(mm):
+    # The TMA kernel's dots would run in TF32: float32 operands must take the pointer kernel's IEEE dots.
+    cfg = mm.MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, tma=True)
+    x, w = _randn(96, 512, seed=6).float(), _randn(192, 512, seed=7).float()
+    out = mm.bi_linear(x, w, config=cfg)
+    assert torch.equal(out, mm.bi_linear(x, w, config=dataclasses.replace(cfg, tma=False)))
+    torch.testing.assert_close(out, (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
