@@ -10,8 +10,8 @@ kernels/paged_attention_kernel.py is the kernel body; its SWAP form computes the
 cache's products in fp16 (its docstring: why that is exact for bf16 q).
 
 Why a token's output bits never depend on scheduling (prefill chunk, decode, prefix-cache hit, batch):
-- the tile config (BLOCK_N, SWAP, FP16_KV, warps, stages) depends only on (GROUP, head_dim, dtype, cache
-  dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence, decode tiles of
+- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, warps, stages) depends only on (GROUP, head_dim, dtype,
+  cache dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence, decode tiles of
   DECODE_BLOCK_M rows) or not;
 - a row's arithmetic does not depend on which row of the tile it occupies, nor on how many rows the tile
   has: under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent, and each column's
@@ -51,9 +51,13 @@ _LOG2E = 1.4426950408889634
 # under bf16 q. Decode at 256 x 640 positions: 8B shape bf16 224 -> 189 us, e4m3 214 -> 158 us; 0.5B shape
 # bf16 43 -> 31 us, e4m3 35 -> 32 us. Prefill of 16 x 512 tokens gets slower: 8B 198 -> 291 us (bf16),
 # 201 -> 301 us (e4m3).
+# 2026-12-02 05:10 (same benchmark): value tiles loaded in memory order and transposed in registers (V_NAT)
+# on the 16-bit cache, 8B shape: decode 186.7 -> 182.8 us, prefill 289.8 -> 274.4 us, the same bits; on the
+# e4m3 cache it is slower (157 -> 221 us), so it is off there.
 SWAP_TILES = True
 DECODE_BLOCK_M = 16
 FP16_E4M3 = True
+V_NAT_BF16 = True
 _PLAN_ATTR = "_paged_attention_plans"
 
 
@@ -72,9 +76,10 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         block_n, num_stages = (128, 3) if kv_fp8 else (64, 2)
     block_m = max(DECODE_BLOCK_M if decode and swap else 64, triton.next_power_of_2(group))
     fp16_kv = int(FP16_E4M3 and swap and kv_fp8 and dtype == torch.bfloat16)
+    v_nat = int(V_NAT_BF16 and swap and not kv_fp8 and head_dim == 128)   # the measured shape only
     assert block_n % KV_CHUNK == 0
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n, "num_warps": 4,
-            "num_stages": num_stages, "SWAP": swap, "FP16_KV": fp16_kv}
+            "num_stages": num_stages, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": v_nat}
 
 
 def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> list[int]:
@@ -168,6 +173,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=num_q_heads // num_kv_heads, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
+        V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,5 +1,5 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
-the batch-invariance argument). Two constexpr knobs beyond the tile shape:
+the batch-invariance argument). Three constexpr knobs beyond the tile shape:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -14,6 +14,9 @@ the batch-invariance argument). Two constexpr knobs beyond the tile shape:
   2^-31 of its row's max converts exactly (smaller ones round to fp16's subnormal grid; they move a score
   by < 2^-31 relative). The scale is a function of the row's own values only: row-local like everything
   else, so batch invariance is untouched.
+- V_NAT (SWAP only): load a value tile in its memory order [keys, head_dim] and transpose it in registers
+  (after the conversion) instead of loading it transposed; same values and bits, another layout path to the
+  MMA (benchmarks/attn_variants.py: faster on a bf16 cache, slower on e4m3).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-    SWAP: tl.constexpr, FP16_KV: tl.constexpr,
+    SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,10 +110,17 @@ def paged_attention_kernel(
             alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs + d[:, None],
-                          mask=kv_ok[None, :], other=0.0)
-            if KV_FP8:
-                v_t = v_t.to(q.dtype)
+            if V_NAT:
+                v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
+                            mask=kv_ok[:, None], other=0.0)
+                if KV_FP8:
+                    v = v.to(q.dtype)
+                v_t = tl.trans(v)
+            else:
+                v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs + d[:, None],
+                              mask=kv_ok[None, :], other=0.0)
+                if KV_FP8:
+                    v_t = v_t.to(q.dtype)
             acc = acc * alpha[None, :]
             if IEEE:
                 acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")

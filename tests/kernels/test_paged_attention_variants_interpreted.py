@@ -2,7 +2,8 @@
 started by tests/kernels/test_paged_attention_variants_cpu.py), tiny shapes, against paged_attention_ref.
 
 Variants: SWAP (transposed tiles S^T = K Q^T), decode tiles (BLOCK_M 16), FP16_KV (the e4m3 cache's fp16
-products, q rescaled row by row by powers of two). float32 q runs the kernel's IEEE path, so agreement is
+products, q rescaled row by row by powers of two), V_NAT (value tiles loaded in memory order and transposed
+in registers). float32 q runs the kernel's IEEE path, so agreement is
 tight; FP16_KV rounds p to fp16 (2^-11 relative) and is checked at 2e-3. q values are bf16-representable
 (as the engine's are), which the FP16_KV conversion keeps exactly. Bitwise invariance needs the compiled
 kernels: tests/kernels/test_paged_attention_decode_gpu.py.
@@ -50,15 +51,16 @@ def caches():
     return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
 
 
-def _cfg(block_m: int, swap: int, fp16_kv: int = 0) -> dict[str, int]:
+def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": 32, "num_warps": 4,
-            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv}
+            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat}
 
 
-@pytest.mark.parametrize("block_m,swap", [(64, 0), (16, 0), (16, 1), (64, 1)])
-def test_variants_match_reference_bf16_layout_cache(pa, caches, block_m, swap):
+@pytest.mark.parametrize("block_m,swap,vnat", [(64, 0, 0), (16, 0, 0), (16, 1, 0), (64, 1, 0), (16, 1, 1)])
+def test_variants_match_reference_bf16_layout_cache(pa, caches, block_m, swap, vnat):
     c = caches
-    out = pa.launch_paged_attention(c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None, _cfg(block_m, swap))
+    out = pa.launch_paged_attention(c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None,
+                                    _cfg(block_m, swap, vnat=vnat))
     ref = paged_attention_ref(c["q"], c["kf"], c["vf"], c["meta"], 0.3)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -72,6 +74,19 @@ def test_variants_match_reference_e4m3_cache(pa, caches, block_m, swap, fp16_kv)
     ref = paged_attention_ref(c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
     tol = 2e-3 if fp16_kv else 2e-5
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_m,fp16_kv", [(16, 1), (64, 1), (16, 0)])
+def test_natural_value_tiles_match_reference_e4m3_cache(pa, caches, block_m, fp16_kv):
+    """V_NAT (value tiles loaded in memory order, transposed in registers) on the e4m3 cache: the same
+    values as the transposed load, so it agrees with the reference and with the V_NAT=0 kernel."""
+    c = caches
+    args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    out = pa.launch_paged_attention(*args, _cfg(block_m, 1, fp16_kv, vnat=1))
+    base = pa.launch_paged_attention(*args, _cfg(block_m, 1, fp16_kv))
+    tol = 2e-3 if fp16_kv else 2e-5
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, base, atol=1e-6, rtol=1e-6)
 
 
 def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
@@ -100,6 +115,7 @@ def test_decode_configs_keep_the_kv_tiles(pa):
                     pre = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=False)
                     dec = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=True)
                     assert pre["BLOCK_N"] == dec["BLOCK_N"] and pre["SWAP"] == dec["SWAP"]
-                    assert pre["FP16_KV"] == dec["FP16_KV"]
+                    assert pre["FP16_KV"] == dec["FP16_KV"] and pre["V_NAT"] == dec["V_NAT"]
                     for cfg in (pre, dec):
                         assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+
