@@ -11,7 +11,8 @@ bit for bit, without writing that output: e4m3 rows [M, K] and float32 row scale
   Llama-3.1-8B).
 
 Row-local math only, one program per row (or a few short rows): a row's bits never depend on the other
-rows of the call, so both are batch-invariant by construction.
+rows of the call, so both are batch-invariant by construction. Decode-sized inputs of `silu_and_mul_quant`
+run kernels/fp8_split_quant.py instead (a row's columns over several programs, the same bits).
 
 Why the RMSNorm path needs care: the row max and the cast are order-free, but the sum of squares is a
 float reduction, whose bits follow (1) the register layout Triton gives the row and (2) which products the
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
 from deepinfer.kernels.fp8_row_quant import quantize_e4m3, row_launch, row_scale
+from deepinfer.kernels.fp8_split_quant import split_quant, swiglu_values, use_split
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.kernels.rmsnorm import check_rms_norm_args, rms_norm, rms_norm_row
 
@@ -106,17 +108,6 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     return q, s, res_out
 
 
-@triton.jit
-def _swiglu(x_rows, offs, mask, n_cols):
-    """silu(gate) * up of the masked columns `offs`, as kernels/activation.py rounds it, returned as fp32
-    holding the input dtype's values."""
-    gate = tl.load(x_rows + offs, mask=mask, other=0.0)
-    up = tl.load(x_rows + n_cols + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, ROWS: tl.constexpr,
                            BLOCK: tl.constexpr, RESIDENT: tl.constexpr, EPS: tl.constexpr,
@@ -128,7 +119,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
     q_rows = q_ptr + rows[:, None] * stride_q
     if RESIDENT:   # BLOCK >= N_COLS: the row's product stays in registers between the max and the cast
         mask = row_ok[:, None] & (offs[None, :] < N_COLS)
-        y = _swiglu(x_rows, offs[None, :], mask, N_COLS)
+        y = swiglu_values(x_rows, offs[None, :], mask, N_COLS)
         scale = row_scale(tl.max(tl.abs(y), axis=1), EPS, QMAX)
         q = quantize_e4m3(y, scale[:, None], QMAX)
         tl.store(q_rows + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
@@ -136,20 +127,25 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
         amax = tl.zeros((ROWS,), dtype=tl.float32)
         for k0 in range(0, N_COLS, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < N_COLS)
-            amax = tl.maximum(amax, tl.max(tl.abs(_swiglu(x_rows, k0 + offs[None, :], mask, N_COLS)), axis=1))
+            y = swiglu_values(x_rows, k0 + offs[None, :], mask, N_COLS)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
         scale = row_scale(amax, EPS, QMAX)
         for k0 in range(0, N_COLS, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < N_COLS)
-            q = quantize_e4m3(_swiglu(x_rows, k0 + offs[None, :], mask, N_COLS), scale[:, None], QMAX)
+            q = quantize_e4m3(swiglu_values(x_rows, k0 + offs[None, :], mask, N_COLS), scale[:, None], QMAX)
             tl.store(q_rows + k0 + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
-def silu_and_mul_quant(x: torch.Tensor, *, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant(x: torch.Tensor, *, chunk: int | None = None, split: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2I] = [gate | up] -> silu(gate) * up quantized per row: (e4m3 [M, I], float32 scales [M, 1]);
-    bitwise `quantize_rows(silu_and_mul(x))` (kernels/activation.py). `chunk` forces the two-pass
-    recompute with chunks of that many columns (tests, benchmarks); the bits do not depend on it."""
+    bitwise `quantize_rows(silu_and_mul(x))` (kernels/activation.py). Inputs up to
+    fp8_split_quant.SPLIT_MAX_BYTES (decode-sized M) run the column-split kernels
+    (kernels/fp8_split_quant.py). Tests and benchmarks may force a path: `chunk` the one-program two-pass
+    recompute with chunks of that many columns, `split=0` the one-program kernel, `split=N` the split
+    kernels with N columns per program. The bits depend on none of these."""
     check_tensor("x", x, ndim=2)
     m, two_i = x.shape
     if two_i % 2:
@@ -157,7 +153,9 @@ def silu_and_mul_quant(x: torch.Tensor, *, chunk: int | None = None) -> tuple[to
     i = two_i // 2
     q = torch.empty((m, i), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and i:
+    if m and i and chunk is None and split != 0 and use_split(x, split):
+        split_quant(x, q, s, i, swiglu=True, eps=ACT_EPS, qmax=FP8_MAX, block=split)
+    elif m and i:
         cfg = row_launch(i, chunk)
         _silu_mul_quant_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x, q, s, m, i, x.stride(0), q.stride(0), ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"],

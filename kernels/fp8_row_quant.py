@@ -11,7 +11,10 @@ per program, 1,024-column chunks, the row read twice) spent 11-12 us on a 14,336
 M <= 256 on the H200, one dependent load after another; the resident kernel issues all of a row's loads
 at once. Longer rows take two passes (max, then cast) over 4,096-column chunks, the second read mostly
 from L2. `row_scale` / `quantize_e4m3` are the two steps every quantizing kernel here shares
-(kernels/fp8_fused_quant.py fuses them into RMSNorm and SiLU-and-mul).
+(kernels/fp8_fused_quant.py fuses them into RMSNorm and SiLU-and-mul). `split=N` runs
+kernels/fp8_split_quant.py instead (a row's columns over several programs, the same bits); it is not the
+default here: on the H200 it was slower than this kernel at K = 4,096 (M = 256: 4.5 against 3.8 us;
+M = 2,048: 16.4 against 12.7 us; benchmarks/fp8_split_quant_timing.py, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -94,14 +97,21 @@ def row_launch(k: int, chunk: int | None = None) -> dict[str, int]:
             "num_warps": max(1, min(16, rows * block // 1024))}
 
 
-def quantize_rows(x: torch.Tensor, *, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, *, chunk: int | None = None, split: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]); bitwise `quantize_act_ref(x, group=K)`.
-    `chunk`: force the two-pass path (see `row_launch`); the bits do not depend on it."""
+    `chunk`: force the two-pass path (see `row_launch`); `split=N` (N > 0) the column-split kernels of
+    kernels/fp8_split_quant.py with N columns per program (None or 0: this module's kernel, the faster one
+    measured); the bits depend on none."""
     check_tensor("x", x, ndim=2)
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
+    if m and k and chunk is None and split:
+        from deepinfer.kernels.fp8_split_quant import split_quant  # it imports this module
+
+        split_quant(x, q, s, k, swiglu=False, eps=ACT_EPS, qmax=FP8_MAX, block=split)
+    elif m and k:
         cfg = row_launch(k, chunk)
         _row_quant_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x, q, s, m, k, x.stride(0), q.stride(0), ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"],

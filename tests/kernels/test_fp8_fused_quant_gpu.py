@@ -122,3 +122,29 @@ def test_rowwise_linear_on_fused_rows_is_the_quantizing_linear():
         fused = fp8_rowwise_linear_quantized(*silu_and_mul_quant(g), w, ws, out_dtype=torch.bfloat16,
                                              invariant=invariant)
         assert torch.equal(fused, fp8_rowwise_linear(silu_and_mul(g), w, ws, invariant=invariant))
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 256, 400])
+@pytest.mark.parametrize("width", [14336, 4096, 100])
+def test_column_split_path_is_the_one_program_path_bitwise(m, width):
+    """kernels/fp8_split_quant.py (the fused SiLU-and-mul's decode-sized path, automatic below
+    SPLIT_MAX_BYTES; the row quantizer's only when forced with `split=N` columns per program) gives the
+    one-program kernels' bits (`split=0`), in and out of a CUDA graph."""
+    from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+
+    x = _rows(m, width, seed=width + m, scale=3.0)
+    g = _rows(m, 2 * width, seed=width + m + 1, scale=3.0)
+    want_q, want_a = quantize_rows(x, split=0), silu_and_mul_quant(g, split=0)
+    _same(want_q, quantize_rows_ref(x))
+    for split in (None, 1024, 256):   # the default, the default split width, a narrower one
+        _same(quantize_rows(x, split=split), want_q)
+        _same(silu_and_mul_quant(g, split=split), want_a)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap_q, cap_a = quantize_rows(x), silu_and_mul_quant(g)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(cap_q, want_q)
+    _same(cap_a, want_a)

@@ -1,8 +1,9 @@
 """The row quantizer and the fused RMSNorm / SiLU-and-mul -> FP8 kernels under Triton's interpreter (a
 subprocess with TRITON_INTERPRET=1, started by tests/kernels/test_fp8_fused_quant_cpu.py), tiny shapes.
 
-Bitwise: `quantize_rows` (register-resident and two-pass) against `quantize_act_ref`, and each fused kernel
-against the unfused kernels it replaces (rmsnorm.rms_norm / activation.silu_and_mul, then quantize_rows).
+Bitwise: `quantize_rows` (register-resident, two-pass and column-split) against `quantize_act_ref`, and
+each fused kernel against the unfused kernels it replaces (rmsnorm.rms_norm / activation.silu_and_mul,
+then quantize_rows).
 Against the plain-torch references (kernels/reference/fp8_fused_quant.py): the same scales and e4m3 codes
 at most one grid step apart (the norm's sum and the exp are not torch's bit for bit on the host).
 """
@@ -26,7 +27,7 @@ skip_unless_interpreting("tests/kernels/test_fp8_fused_quant_cpu.py")
 @pytest.fixture(scope="module")
 def km():
     return {name: interpreted_kernels(name) for name in ("fp8_row_quant", "fp8_fused_quant", "rmsnorm",
-                                                         "activation", "fp8_rowwise")}
+                                                         "activation", "fp8_rowwise", "fp8_split_quant")}
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -67,11 +68,23 @@ def _near(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
     assert float((a != b).float().mean()) < 0.05
 
 
-@pytest.mark.parametrize("m,k,chunk", [(1, 1, None), (5, 40, None), (300, 24, None), (6, 100, 32),
-                                       (4, 64, 64), (9, 520, None), (3, 33, 16)])
-def test_quantize_rows_bitwise_reference(km, dtype, m, k, chunk):
+# split: None = the automatic path (the column-split kernels at these sizes), 0 = the one-program kernel,
+# N = the split kernels with N columns per program (kernels/fp8_split_quant.py).
+@pytest.mark.parametrize("m,k,chunk,split", [(1, 1, None, None), (5, 40, None, None), (300, 24, None, 0),
+                                             (6, 100, 32, None), (4, 64, 64, None), (9, 520, None, 0),
+                                             (9, 520, None, 64), (3, 33, 16, None), (5, 40, None, 16)])
+def test_quantize_rows_bitwise_reference(km, dtype, m, k, chunk, split):
     x = _x(m, k, seed=k, dtype=dtype)
-    _same(km["fp8_row_quant"].quantize_rows(x, chunk=chunk), quantize_rows_ref(x))
+    _same(km["fp8_row_quant"].quantize_rows(x, chunk=chunk, split=split), quantize_rows_ref(x))
+
+
+def test_split_path_is_chosen_by_input_size(km):
+    sq = km["fp8_split_quant"]
+    small = torch.empty(256, 2 * 14336, dtype=torch.bfloat16, device="meta")   # a decode step's gate|up
+    large = torch.empty(2048, 2 * 14336, dtype=torch.bfloat16, device="meta")  # a prefill chunk's
+    assert sq.use_split(small) and not sq.use_split(large) and sq.use_split(large, 1024)
+    with pytest.raises(ValueError, match="power of two"):
+        km["fp8_row_quant"].quantize_rows(_x(2, 40, seed=1), split=48)
 
 
 def test_row_launch_shapes_and_errors(km):
@@ -114,12 +127,14 @@ def test_rms_norm_quant_wide_rows_run_the_unfused_composition(km):
     assert torch.equal(res, summed)
 
 
-@pytest.mark.parametrize("i,chunk", [(1, None), (36, None), (100, 32), (257, None), (64, 16)])
-def test_silu_and_mul_quant_is_unfused_kernels_bitwise(km, dtype, i, chunk):
+@pytest.mark.parametrize("i,chunk,split", [(1, None, None), (36, None, None), (100, 32, None),
+                                           (257, None, None), (64, 16, None), (257, None, 0), (257, None, 32),
+                                           (100, None, 16)])
+def test_silu_and_mul_quant_is_unfused_kernels_bitwise(km, dtype, i, chunk, split):
     x = torch.cat([_x(7, i, seed=i, dtype=dtype), _x(7, i, seed=i + 9, dtype=dtype) * 0.1], dim=1)
     x[4, :i] = 60.0        # silu(60) = 60: the row max meets the e4m3 range edge through the product
-    got = km["fp8_fused_quant"].silu_and_mul_quant(x, chunk=chunk)
-    _same(got, km["fp8_row_quant"].quantize_rows(km["activation"].silu_and_mul(x)))
+    got = km["fp8_fused_quant"].silu_and_mul_quant(x, chunk=chunk, split=split)
+    _same(got, km["fp8_row_quant"].quantize_rows(km["activation"].silu_and_mul(x), split=0))
     if dtype == torch.float32:
         _near(got, silu_and_mul_quant_ref(x))
 

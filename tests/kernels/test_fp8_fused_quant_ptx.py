@@ -136,3 +136,28 @@ def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual):
     same = a == b   # compared outside the assert: pytest's diff of two huge strings would take minutes
     at = next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b)))
     assert same, f"rstd differs at {at}:\n{a[max(0, at - 200):at + 100]}\n{b[max(0, at - 200):at + 100]}"
+
+
+@pytest.mark.parametrize("op,width", [("silu", 14336), ("rows", 4096)])
+def test_split_quant_kernels_compile_with_wide_loads(monkeypatch, op, width):
+    """kernels/fp8_split_quant.py's two kernels, at a decode step's real launch (M = 256, Llama-3.1-8B
+    widths), compile for sm_90 with 16-byte input loads and the IEEE division of quantize_e4m3."""
+    import torch
+    from deepinfer.kernels import fp8_fused_quant, fp8_row_quant, fp8_split_quant
+
+    cols = 2 * width if op == "silu" else width
+    x = torch.zeros(256, cols, dtype=torch.bfloat16)
+    run = (lambda: fp8_fused_quant.silu_and_mul_quant(x)) if op == "silu" else (
+        lambda: fp8_row_quant.quantize_rows(x, split=fp8_split_quant.SPLIT_BLOCK))  # forced: not its default
+    amax_launch: dict = {}
+    monkeypatch.setattr(fp8_split_quant._chunk_amax_kernel, "run", lambda *a, **kw: amax_launch.update(kw))
+    cast_launch = _launch(monkeypatch, fp8_split_quant._chunk_cast_kernel, run)   # both launches captured
+    assert amax_launch["SWIGLU"] == (op == "silu") and amax_launch["BLOCK"] == fp8_split_quant.SPLIT_BLOCK
+    common = [("M", "i32", 256), ("N_COLS", "i32", width), ("stride_x", "i32", cols)]
+    amax = _compile_ptx(fp8_split_quant._chunk_amax_kernel, [
+        ("x_ptr", "*bf16", None), ("amax_ptr", "*fp32", None), *common], amax_launch)
+    cast = _compile_ptx(fp8_split_quant._chunk_cast_kernel, [
+        ("x_ptr", "*bf16", None), ("amax_ptr", "*fp32", None), ("q_ptr", "*fp8e4nv", None),
+        ("s_ptr", "*fp32", None), *common, ("stride_q", "i32", width)], cast_launch)
+    assert "ld.global.v4" in amax and "ld.global.v4" in cast
+    assert "div.rn.f32" in cast
