@@ -171,9 +171,11 @@ def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace, out: 
     return result
 
 
-STARTUP_KEYS = ("driver_process_started_s", "output_opened_s", "executor_requested_s", "executor_started_s",
-                "engine_process_started_s", "engine_actor_started_s", "engine_imported_s", "model_loaded_s",
-                "engine_ready_s",
+STARTUP_KEYS = ("driver_process_started_s", "engine_preload_started_s", "engine_preload_native_s",
+                "engine_preload_cuda_s", "engine_preload_triton_s", "output_opened_s", "executor_requested_s",
+                "executor_started_s", "engine_process_started_s", "engine_actor_started_s",
+                "engine_imported_s", "engine_allocated_s", "engine_weights_loaded_s", "engine_kv_allocated_s",
+                "model_loaded_s", "engine_ready_s",
                 "first_part_received_s", "first_token_s", "first_commit_s", "last_result_s", "wall_s",
                 "cuda_graph_capture_s", "engine_wait_s", "engine_generate_s", "engine_commit_s")
 

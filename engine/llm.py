@@ -111,6 +111,9 @@ class LLM:
         processes; engine/parallel/); decode steps then run without CUDA graphs."""
         if cuda_graph_capture is not None:
             capture_mode(cuda_graph_capture)   # a bad value fails here, also where graphs never run
+        # Construction phases (time.time() epochs) for a caller's start-up report (the job pipeline's
+        # run summary): parameters allocated (CUDA's context started), weights loaded, KV cache allocated.
+        self.startup_marks: dict[str, float] = {}
         self.device = _resolve_device(device)
         self.model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -154,6 +157,7 @@ class LLM:
                 tensor_parallel_size, model_dir=self.model_dir, dtype=self.dtype, device=self.device,
                 deterministic=deterministic, max_model_len=max_model_len, allow_pickle=allow_pickle,
                 quant_plan=self.quant_plan)
+        self.startup_marks["allocated"] = time.time()
         mtp = MTPLoader.for_model(speculative_mtp, mc, self.model)   # None unless asked for and possible
         if load_format == "dummy":
             init_dummy_with_plan(self.model, self.quant_plan, seed)
@@ -162,6 +166,7 @@ class LLM:
             load_with_plan(self.model, mtp.collect(weights) if mtp else weights, self.quant_plan)
         else:
             raise ValueError(f"load_format={load_format!r}: expected 'auto' or 'dummy'")
+        self.startup_marks["weights_loaded"] = time.time()
         spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, kv_dtype)
         check_kv_layout(self.model, kv_dtype)
         # A model may keep its own cache layout (MLA: one latent per token and layer); Llama keeps K/V.
@@ -176,6 +181,7 @@ class LLM:
         self.cache_cfg = dataclasses.replace(cache_cfg, num_blocks=n_blocks)
         kv_caches = allocate_kv_cache_for(self.model, spec, n_blocks, self.device)
         draft_cache = kv_caches.pop() if draft is not None else None
+        self.startup_marks["kv_allocated"] = time.time()
         # One handle for the engine core, the runner and the finish rules; the manager behind it is built on
         # the first constrained request (compiling the vocabulary for llguidance costs time).
         self._structured = LazyStructuredOutputs(

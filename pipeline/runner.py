@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify_exception
+from deepinfer.pipeline.executors.engine_preload import EnginePreload, preload_for
 from deepinfer.pipeline.output.job_store import CommitOutcome, JobStore, failure_reason
 from deepinfer.pipeline.output.lease import ray_node
 from deepinfer.pipeline.output.worker_commit import CommitTarget, commit_report, report_errors
@@ -59,6 +60,8 @@ class SubmitOptions:
     # How runtime.executor was decided when the caller already did (a sweep resolves 'auto' once for all
     # its points, cli/main.py); used when it names the spec's executor, else run_job decides.
     executor_choice: ExecutorChoice | None = None
+    # A local run's engine preload when the caller started it (cli/main.py); None: run_job may start one.
+    engine_preload: EnginePreload | None = None
 
 
 def check_model(spec: JobSpec) -> str:
@@ -138,7 +141,8 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: Sub
     if spec.runtime.executor == "local":
         from deepinfer.pipeline.executors.local import run_local
 
-        yield from run_local(plan, parts)
+        preload = options.engine_preload  # Triton's import then goes beside the model build
+        yield from run_local(plan, parts, on_imported=preload.engine_imported if preload else None)
         return
     from deepinfer.pipeline.executors.ray_data import EngineSettings, connect, run_ray
 
@@ -178,6 +182,9 @@ def run_job(spec: JobSpec, options: SubmitOptions) -> int:
     stats = RunStats(rows_total=0, parts_total=0)  # its clock starts before the model and input checks
     spec, choice = resolve_executor(spec, options)
     stats.executor = choice.section()
+    preload = preload_for(spec, options.engine_preload, options.execute is not None)
+    if preload is not None:  # the engine's native parts load on a thread while the input is planned
+        stats.clock.preload, options = preload.marks, replace(options, engine_preload=preload)
     starter, attaching = None, False
     if spec.runtime.executor == "ray" and options.execute is None:  # Ray starts while the input is planned
         from deepinfer.pipeline.executors.ray_start import start_early

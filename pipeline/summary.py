@@ -45,7 +45,9 @@ def process_started_epoch() -> float | None:
 # The engine actors' start-up marks (epochs, generate.EngineStage.marks) the summary reports, earliest
 # engine first: summary key -> mark name.
 ENGINE_MARKS = (("engine_process_started_s", "process"), ("engine_actor_started_s", "init"),
-                ("engine_imported_s", "imported"), ("model_loaded_s", "built"), ("engine_ready_s", "ready"))
+                ("engine_imported_s", "imported"), ("engine_allocated_s", "allocated"),
+                ("engine_weights_loaded_s", "weights_loaded"), ("engine_kv_allocated_s", "kv_allocated"),
+                ("model_loaded_s", "built"), ("engine_ready_s", "ready"))
 
 
 @dataclass
@@ -55,6 +57,8 @@ class StartupClock:
     once per engine, then per part the time the engine waited for it, generated and committed it."""
 
     driver: dict[str, float] = field(default_factory=dict)
+    # the local executor's engine preload (executors/engine_preload.py): its thread fills these epochs
+    preload: dict[str, float] = field(default_factory=dict)
     engines: dict[str, dict[str, float]] = field(default_factory=dict)
     capture_s: dict[str, float] = field(default_factory=dict)
     first_received: float | None = None
@@ -94,6 +98,8 @@ class StartupClock:
         for key in ("model_checked", "output_opened", "executor_requested", "executor_started",
                     "first_result", "last_result", "results_closed"):
             out[f"{key}_s"] = since(self.driver.get(key))
+        for name in ("started", "native", "cuda", "triton"):
+            out[f"engine_preload_{name}_s"] = since(self.preload.get(name))
         for key, name in ENGINE_MARKS:
             out[key] = since(earliest(name))
         ready = [m["ready"] for m in self.engines.values() if "ready" in m]
@@ -346,6 +352,10 @@ def format_summary(s: dict) -> str:
                      f"{_secs(up['model_loaded_s'])}, first part {_secs(up.get('first_part_received_s'))}; "
                      f"engines waited {up['engine_wait_s']:.1f}s for parts, "
                      f"committed {up['engine_commit_s']:.1f}s")
+    if up.get("engine_preload_started_s") is not None:  # the local executor's (executors/engine_preload.py)
+        marks = [_secs(up.get(f"engine_preload_{k}_s")) for k in ("started", "native", "cuda", "triton")]
+        lines.append(f"  preload   from {marks[0]}: libraries {marks[1]}, CUDA {marks[2]}, Triton "
+                     f"{marks[3]}; engine imported {_secs(up.get('engine_imported_s'))}")
     for stage, codes in err["by_stage"].items():
         lines.append(f"    {stage}: " + ", ".join(f"{c} x{n}" for c, n in codes.items()))
     for e in s["engines"]:

@@ -173,21 +173,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from deepinfer.pipeline.runner import SubmitOptions, run_job
+    from deepinfer.pipeline.executors.choice import choose_executor, sweep_with_executor, with_executor
     from deepinfer.pipeline.spec.load import load_spec
 
     spec = load_spec(args.spec, args.overrides)
-    options = SubmitOptions(address=args.address, restart=args.restart, verbose=args.verbose,
-                            summary_json=args.summary_json)
-    if spec.sweep is not None:
-        from dataclasses import replace
+    # Decided once, here (a sweep: for every point; their specs are rebuilt from the document, which then
+    # names the executor), so that a local run's engine starts loading (executors/engine_preload.py) as
+    # soon as the driver's own extension modules are in, beside the rest of its work.
+    choice = choose_executor(spec, args.address)
+    from deepinfer.pipeline.runner import SubmitOptions, run_job
 
-        from deepinfer.pipeline.executors.choice import choose_executor, sweep_with_executor
+    preload = None
+    if spec.sweep is None:
+        from deepinfer.pipeline.executors.engine_preload import start_for_submit
+
+        spec = with_executor(spec, choice)
+        preload = start_for_submit(spec)
+    options = SubmitOptions(address=args.address, restart=args.restart, verbose=args.verbose,
+                            summary_json=args.summary_json, executor_choice=choice, engine_preload=preload)
+    if spec.sweep is not None:
         from deepinfer.pipeline.sweep import run_sweep
 
-        # One decision for every point (their specs are rebuilt from the document: it names the executor)
-        choice = choose_executor(spec, args.address)
-        return run_sweep(sweep_with_executor(spec, choice), replace(options, executor_choice=choice))
+        return run_sweep(sweep_with_executor(spec, choice), options)
     return run_job(spec, options)
 
 

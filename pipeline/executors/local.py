@@ -7,7 +7,9 @@ kill loses at most the part in flight). The preparation overlaps the engine (pre
 background thread): the first part is prepared while the engine builds its model (once its modules are
 imported), part N+1 while part N generates, at most `ahead` parts ahead, so the memory held stays bounded.
 `ahead=0` is the strictly sequential path (prepare, then generate, on this thread), kept for debugging and
-as the tests' reference.
+as the tests' reference. Before all this, the run's engine preload (engine_preload.py) has been opening
+torch's libraries and CUDA's context since the CLI knew the run is local; `on_imported` tells it the
+engine's modules are in, so that Triton's import goes beside the model build.
 
 The engine is built and run on the consumer's thread (the driver's), the thread that generates: CUDA
 graphs and the engine's own state stay on one thread. An exception while the engine builds cancels and
@@ -35,16 +37,18 @@ DEFAULT_AHEAD = 1
 
 
 def run_local(plan: StagePlan, parts: Sequence[PartTask], engines: EngineCache | None = None,
-              ahead: int = DEFAULT_AHEAD, watch: Callable[[PartPrefetcher], None] | None = None
-              ) -> Iterator[pa.Table]:
+              ahead: int = DEFAULT_AHEAD, watch: Callable[[PartPrefetcher], None] | None = None,
+              on_imported: Callable[[], None] | None = None) -> Iterator[pa.Table]:
     """Yield one ENGINE_SCHEMA table per part of `parts`, in order; the LLM comes from `engines` when
     given (a sweep's points share it), else it is built for this run. `ahead`: parts prepared ahead of
     the engine (0: sequential). `watch`, when given, is called with the run's PartPrefetcher once it
-    started (its counters and event let a test watch the look-ahead while the job runs)."""
+    started (its counters and event let a test watch the look-ahead while the job runs). `on_imported`
+    is called once the engine's modules are imported, as its model build starts (the run's
+    engine_preload.EnginePreload.engine_imported: Triton's import goes beside the build)."""
     if not parts:
         return
     if ahead == 0:
-        engine = plan.engine_stage(engines)
+        engine = plan.engine_stage(engines, on_imported=on_imported)
         for task in parts:
             yield engine.generate_part(prepare_part(plan, task), plan.batch_size)
         return
@@ -54,7 +58,13 @@ def run_local(plan: StagePlan, parts: Sequence[PartTask], engines: EngineCache |
     with PartPrefetcher(functools.partial(prepare_part, plan), parts, ahead, hold=True) as prepared:
         if watch is not None:
             watch(prepared)
-        engine = plan.engine_stage(engines, on_imported=prepared.release)
+
+        def imported() -> None:
+            prepared.release()
+            if on_imported is not None:
+                on_imported()
+
+        engine = plan.engine_stage(engines, on_imported=imported)
         prepared.release()  # (already, as a rule: EngineStage calls it before building)
         for _ in parts:
             yield engine.generate_part(prepared.next_part(), plan.batch_size)

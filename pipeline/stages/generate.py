@@ -136,6 +136,8 @@ class EngineStage:
             self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
         except ValueError as exc:  # the engine names what to change in the spec's model section
             raise SpecError([f"model: the engine refused its configuration: {exc}"]) from exc
+        # the LLM's own construction phases (allocated, weights_loaded, kv_allocated), when it has them
+        self.marks.update(getattr(self.llm, "startup_marks", None) or {})
         self.sampling_kwargs, self.job_seed = dict(sampling_kwargs), job_seed
         self.output_schema = output_schema
         self.validator = None
@@ -173,24 +175,26 @@ class EngineStage:
         return figures
 
     def _watch_first_step(self) -> None:
-        """Record when the engine's first step returns: its first prefill has then sampled a first token.
+        """Record when the engine's first sampled tokens reach the host: the first scheduler.update, which
+        both loops call once per step with that step's sampled ids (the synchronous loop in
+        EngineCore.step; the overlapped loop, which never calls step(), in core/overlap.py's _apply).
 
-        The engine has no first-token callback, so this wraps its step() on this instance only, once;
-        engines without one fall back to the end of the first generate call (see __call__).
+        The engine has no first-token callback, so this wraps its scheduler's update() on this instance
+        only, once; engines without one fall back to the end of the first generate call (see __call__).
         """
-        core = getattr(self.llm, "engine", None)
-        step = getattr(core, "step", None)
-        if step is None:
+        scheduler = getattr(getattr(self.llm, "engine", None), "scheduler", None)
+        update = getattr(scheduler, "update", None)
+        if update is None:
             return
 
-        def first_step(*args: Any, **kwargs: Any) -> Any:
-            out = step(*args, **kwargs)
+        def first_update(*args: Any, **kwargs: Any) -> Any:
+            out = update(*args, **kwargs)
             if self.first_token_at is None:
                 self.first_token_at = time.time()
-                core.step = step  # unwrap: later steps pay nothing
+            scheduler.update = update  # unwrap: later steps pay nothing
             return out
 
-        core.step = first_step
+        scheduler.update = first_update
 
     def generate_part(self, table: pa.Table, batch_size: int,
                       finish: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
