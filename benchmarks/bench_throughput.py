@@ -49,13 +49,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
-                    profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False) -> dict:
+                    profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False,
+                    quant: dict | None = None) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
               max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85,
-              enable_prefix_caching=prefix_cache)
+              enable_prefix_caching=prefix_cache, **(quant or {}))
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rec = StepRecorder(llm)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -134,7 +135,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write a torch.profiler table here and exit")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="keep prefix caching on (the measured runs then reuse the warm-up's prompt KV)")
+    ap.add_argument("--quantization", default=None,
+                    help="deepinfer arms only: LLM(quantization=...), e.g. fp8, fp8-channel (HF stays bf16)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="deepinfer arms only: LLM(kv_cache_dtype=...)")
     args = ap.parse_args()
+    quant = {k: v for k, v in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
+             if v is not None}
 
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_shape(args.shape, tmp)
@@ -152,7 +158,7 @@ def main() -> None:
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
             r = bench_deepinfer(model_dir, prompts, args.output_len, mode == "deterministic", args.runs,
-                                args.profile_steps, out, mode, args.prefix_cache)
+                                args.profile_steps, out, mode, args.prefix_cache, quant)
         gc.collect()
         torch.cuda.empty_cache()
         add_rates(r, total_in, ceiling)
@@ -165,7 +171,7 @@ def main() -> None:
     out.summary({"bench": "throughput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                 "output_len": args.output_len, "runs": args.runs, "ceiling_tok_s": ceiling,
+                 "output_len": args.output_len, "runs": args.runs, "ceiling_tok_s": ceiling, **quant,
                  "results": rows})
 
 
