@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_kv_fp8 import BLOCK_SIZE, DEV, FP8, _decode_meta  # noqa: E402
+from benchmarks.common import finish_sweep  # noqa: E402
 from benchmarks.fp8_gemm_timing import graph_time  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -334,12 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
                                 for c in cols) + " |")
-    print(f"total {time.time() - start:.0f} s on {torch.cuda.get_device_name()}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
-                      indent=1)
-    return 0
+    return finish_sweep(rows, args.out, start)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,14 @@ def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
                      "host_ms_per_step_median": statistics.median(w / 1000 for _, w in rows),
                      "busy_fraction_overall": sum(b for b, _ in rows) / max(1e-9, sum(w for _, w in rows))}
     return out
+
+
+def finish_sweep(rows: list[dict[str, Any]], out: str | Path | None, started: float) -> int:
+    """End a kernel sweep: print its wall time and device, write its rows as JSON to `out` (when given) with
+    the device and torch version they were measured on; 0, the script's exit status."""
+    print(f"total {time.time() - started:.0f} s on {torch.cuda.get_device_name()}")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                      indent=1)
+    return 0

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import finish_sweep  # noqa: E402
 from benchmarks.fp8_gemm_timing import graph_time  # noqa: E402
 
 ARMS = {"old": 0, "auto": None, "s512": 512, "s2048": 2048}
@@ -80,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             bits = all(r["bits"] for r in done)
             best = max((r["gb_s"] for r in done), default=float("nan"))
             print(f"| {op} ({width}) | {m} | " + " | ".join(us) + f" | {bits} | {best:.0f} |")
-    print(f"total {time.time() - start:.0f} s on {torch.cuda.get_device_name()}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
-                      indent=1)
-    return 0
+    return finish_sweep(rows, args.out, start)
 
 
 if __name__ == "__main__":

@@ -146,25 +146,23 @@ def _time_phases() -> dict[str, float]:
     return out
 
 
-_CUDA_INIT = """
+# A pure-Python loop, timed alone and beside CUDA context creation (does the latter hold the GIL?).
+_BUSY = """
 import time, threading, torch
 def busy(n):
     x = 0
     for i in range(n):
         x += i
 n = 3_000_000
+"""
+
+_CUDA_INIT = _BUSY + """
 s = time.perf_counter(); busy(n); solo = time.perf_counter() - s
 s = time.perf_counter(); torch.cuda.init(); torch.empty(1, device="cuda"); init = time.perf_counter() - s
 print(f"python loop alone {solo:.3f} s, cuda init alone {init:.3f} s", flush=True)
 """
 
-_CUDA_INIT_OVERLAP = """
-import time, threading, torch
-def busy(n):
-    x = 0
-    for i in range(n):
-        x += i
-n = 3_000_000
+_CUDA_INIT_OVERLAP = _BUSY + """
 done = {}
 def init():
     s = time.perf_counter(); torch.cuda.init(); torch.empty(1, device="cuda")
