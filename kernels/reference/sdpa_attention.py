@@ -33,9 +33,11 @@ from deepinfer.kernels.reference.tiled_attention import (
     KEY_BLOCK,
     PREFILL_TILE,
     _bits_equal,
+    entry_slots,
     inputs_match,
     metadata_inputs,
     plan_key,
+    step_tensors,
 )
 
 # Entries per probed call (work items land on other threads as the count changes), by kind; a tile probe
@@ -200,10 +202,7 @@ def plan_sdpa_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads:
     inputs = metadata_inputs(meta)
     if num_tokens == 0:
         return SdpaPlan(key, inputs, ())
-    positions = meta.positions.tolist()
-    pos = torch.cat([meta.positions.to(torch.int64), meta.positions.new_zeros(1, dtype=torch.int64)])
-    ctx = meta.seq_lens.to(torch.int64)
-    tables = meta.block_tables.to(torch.int64)
+    positions, pos, ctx, tables = step_tensors(meta)
     calls = []
     for (qt, blocks), entries in _groups(meta, positions, group, head_dim, num_kv_heads).items():
         span = blocks * KEY_BLOCK
@@ -211,16 +210,7 @@ def plan_sdpa_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads:
         rows = one_rows if qt == 1 else tile_rows(qt, group)
         key_pos = torch.arange(span, dtype=torch.int64, device=device)
         n = len(entries)
-        idx = torch.tensor([t0 + i if i < c else num_tokens for t0, c, _ in entries for i in range(qt)],
-                           dtype=torch.int64, device=device)
-        seq = torch.tensor([s for _, _, s in entries], dtype=torch.int64, device=device)
-        tab, c = tables[seq], ctx[seq]
-        width = -(-span // block_size)
-        if tab.shape[1] < width:  # key blocks past the table: padding (block 0), masked below
-            tab = torch.cat([tab, tab.new_zeros((n, width - tab.shape[1]))], dim=1)
-        slots = tab[:, key_pos // block_size] * block_size + key_pos % block_size          # [n, span]
-        # Slots past the sequence's context may hold anything (even NaN): read key 0's slot (masked).
-        slots = torch.where(key_pos[None, :] < c[:, None], slots, slots[:, :1])
+        idx, slots = entry_slots(entries, qt, num_tokens, tables, ctx, key_pos, block_size)  # [n, span]
         row_pos = torch.zeros((n, rows), dtype=torch.int64, device=device)  # padding rows: position 0
         row_pos[:, :qt * group] = pos[idx].view(n, qt).repeat_interleave(group, dim=1)
         batched = one_batched if qt == 1 else True

@@ -207,6 +207,33 @@ def plan_key(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int
     return (num_q_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads())
 
 
+def step_tensors(meta: AttentionMetadata) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a plan reads of a step's metadata: positions as a list; positions (int64) with a trailing 0,
+    the position of the zero row that pads tiles; context lengths and block tables as int64."""
+    pos = torch.cat([meta.positions.to(torch.int64), meta.positions.new_zeros(1, dtype=torch.int64)])
+    return meta.positions.tolist(), pos, meta.seq_lens.to(torch.int64), meta.block_tables.to(torch.int64)
+
+
+def entry_slots(entries: list[tuple[int, int, int]], qt: int, num_tokens: int, tables: torch.Tensor,
+                ctx: torch.Tensor, key_pos: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tiles of `qt` query tokens, one per entry (first token, real tokens, sequence): the token of
+    every tile row, [len(entries) * qt] (num_tokens, the zero row, past an entry's real tokens), and the
+    cache slot of every key position `key_pos` of the entry's span, [len(entries), span]. Key blocks past
+    a sequence's table read block 0, and slots past its context (which may hold anything, even NaN) read
+    key 0's slot: the caller masks both."""
+    device = key_pos.device
+    idx = torch.tensor([t0 + i if i < count else num_tokens for t0, count, _ in entries for i in range(qt)],
+                       dtype=torch.int64, device=device)
+    seq = torch.tensor([s for _, _, s in entries], dtype=torch.int64, device=device)
+    tab, c = tables[seq], ctx[seq]
+    width = -(-key_pos.shape[0] // block_size)
+    if tab.shape[1] < width:
+        tab = torch.cat([tab, tab.new_zeros((len(entries), width - tab.shape[1]))], dim=1)
+    slots = tab[:, key_pos // block_size] * block_size + key_pos % block_size
+    return idx, torch.where(key_pos[None, :] < c[:, None], slots, slots[:, :1])
+
+
 def plan_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, device: torch.device) -> AttentionPlan:
     """The call groups of one step (see _plan) with their index tensors."""
@@ -216,10 +243,7 @@ def plan_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int,
     inputs = metadata_inputs(meta)
     if num_tokens == 0:
         return AttentionPlan(key, inputs, ())
-    positions = meta.positions.tolist()
-    pos = torch.cat([meta.positions.to(torch.int64), meta.positions.new_zeros(1, dtype=torch.int64)])
-    ctx = meta.seq_lens.to(torch.int64)
-    tables = meta.block_tables.to(torch.int64)
+    positions, pos, ctx, tables = step_tensors(meta)
     heads = torch.arange(num_kv_heads, dtype=torch.int64, device=device)
     calls = []
     for (qt, blocks, units), tiles in _plan(meta, positions, group, head_dim).items():
@@ -229,18 +253,9 @@ def plan_attention(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int,
         for a in range(0, len(tiles), step):
             part = tiles[a:a + step]
             n_t = len(part)
-            idx = torch.tensor([t0 + i if i < n else num_tokens for t0, n, _ in part for i in range(qt)],
-                               dtype=torch.int64, device=device)
-            seq = torch.tensor([s for _, _, s in part], dtype=torch.int64, device=device)
-            tab, c = tables[seq], ctx[seq]
-            width = -(-span // block_size)
-            if tab.shape[1] < width:  # key blocks past the table: padding (block 0), masked below
-                tab = torch.cat([tab, tab.new_zeros((n_t, width - tab.shape[1]))], dim=1)
-            slots = tab[:, key_pos // block_size] * block_size + key_pos % block_size      # [n_t, span]
-            # Slots past the sequence's context may hold anything (even NaN): read key 0's slot there
-            # instead (masked below). Keys inside the context but past a row's own position are real
-            # values under p == 0, adding exact (signed) zeros.
-            slots = torch.where(key_pos[None, :] < c[:, None], slots, slots[:, :1])
+            # Slots past the context read key 0's (masked below). Keys inside the context but past a
+            # row's own position are real values under p == 0, adding exact (signed) zeros.
+            idx, slots = entry_slots(part, qt, num_tokens, tables, ctx, key_pos, block_size)  # [n_t, span]
             rows_kv = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).view(-1)
             row_pos = pos[idx].view(n_t, qt).repeat_interleave(group, dim=1)
             if rows > qt * group:  # zero rows under the canonical block: position 0, discarded
