@@ -34,6 +34,7 @@ from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_
 from deepinfer.kernels.fp8_matmul import grouped_tile
 from deepinfer.kernels.fp8_row_quant import quantize_rows
 from deepinfer.kernels.fp8_rowwise_tma import rowwise_tma_launch
+from deepinfer.kernels.gemm_parts import rowwise_scaled_store
 from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
@@ -186,15 +187,8 @@ def _rowwise_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, 
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    # Epilogue: (acc * s_x) * s_w, the reference's order of the two scalings.
-    sa = tl.load(as_ptr + rows)
-    sb = tl.load(bs_ptr + cols * stride_bsn)
-    acc = acc * sa[:, None] * sb[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
+                         stride_bsn, stride_om, HAS_BIAS)
 
 
 def _check_rowwise_weight(weight: torch.Tensor, scale: torch.Tensor, k: int, device: torch.device) -> None:

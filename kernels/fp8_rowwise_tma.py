@@ -22,7 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, rowwise_scaled_store
 
 
 @functools.cache
@@ -60,15 +60,9 @@ def _rowwise_tma_kernel(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, M, N,
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-        # Epilogue: (acc * s_x) * s_w, the pointer kernel's (and the reference's) order.
-        sa = tl.load(as_ptr + rows)
-        sb = tl.load(bs_ptr + cols * stride_bsn)
-        acc = acc * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+        # The pointer kernel's epilogue: the same scaling order, so the same bits.
+        rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
+                             stride_bsn, stride_om, HAS_BIAS)
 
 
 def rowwise_tma_launch(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

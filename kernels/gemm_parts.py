@@ -45,3 +45,19 @@ def grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M: tl.constexpr):
     first_m = (tile // tiles_per_group) * GROUP_M
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows
+
+
+@triton.jit
+def rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
+                         stride_bsn, stride_om, HAS_BIAS: tl.constexpr):
+    """The rowwise FP8 GEMMs' epilogue (pointer and TMA loads alike): (acc * s_x) * s_w, the reference's
+    order of the two scalings, + bias, stored to the rows / columns inside [M, N]. rows / cols: offs_m /
+    offs_n with the out-of-range ones read as 0 (int64)."""
+    sa = tl.load(as_ptr + rows)
+    sb = tl.load(bs_ptr + cols * stride_bsn)
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
