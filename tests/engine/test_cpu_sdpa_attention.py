@@ -14,10 +14,9 @@ import pytest
 import torch
 from deepinfer.engine.layers.backends import make_ops
 from deepinfer.kernels.reference import sdpa_attention as sa
-from deepinfer.kernels.reference.attention import paged_attention_ref
 
 from tests.engine.test_cpu_ops import _paged_batch
-from tests.engine.test_cpu_tiled_attention import _Cache, _queries
+from tests.engine.test_cpu_tiled_attention import PLAIN_CASES, _Cache, _queries, plain_case
 from tests.engine.test_cpu_tiled_attention import _run as run_attention
 
 INV = make_ops("cpu", deterministic=True)
@@ -31,16 +30,12 @@ def _run(cache: _Cache, qs: list[torch.Tensor], runs: list[tuple[int, int, int]]
     return run_attention(cache, qs, runs, sa.sdpa_paged_attention)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1), (9, 3)])
-def test_sdpa_attention_matches_plain_attention(block_size, heads):
-    seqs = [(70, 70), (5, 1), (140, 1), (33, 17), (16, 16), (90, 3)]
-    k_cache, v_cache, meta = _paged_batch(seqs, block_size, heads[1], 16, seed=block_size + heads[0])
-    q = torch.randn(meta.num_tokens, heads[0], 16, generator=torch.Generator().manual_seed(1))
-    out = sa.sdpa_paged_attention(q, k_cache, v_cache, meta, 0.25)
-    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(_bits(INV.attention(q, k_cache, v_cache, meta, 0.25)), _bits(out)), "the ops' path"
+@pytest.mark.parametrize(("block_size", "heads"), PLAIN_CASES)
+def test_the_ops_attention_is_the_sdpa_form(block_size, heads):
+    q, k_cache, v_cache, meta, expected = plain_case(block_size, heads)
+    got = INV.attention(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(_bits(got), _bits(sa.sdpa_paged_attention(q, k_cache, v_cache, meta, 0.25)))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_bits_independent_of_the_batch_at_two_threads():

@@ -20,8 +20,6 @@ from deepinfer.kernels.reference.sdpa_attention import sdpa_paged_attention
 
 from tests.engine.test_cpu_ops import _paged_batch
 
-INV = make_ops("cpu", deterministic=True)
-
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
@@ -76,17 +74,24 @@ def _run(cache: _Cache, qs: list[torch.Tensor], runs: list[tuple[int, int, int]]
     return list(out.split(meta.query_lens_cpu))
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1), (9, 3)])
-def test_tiled_attention_matches_plain_attention(block_size, heads):
+# Mixed prefill / decode steps over paged caches, per (block size, (q heads, kv heads)): against plain
+# attention.
+PLAIN_CASES = [(b, h) for h in [(4, 2), (4, 4), (6, 1), (9, 3)] for b in [16, 32]]
+
+
+def plain_case(block_size: int, heads: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, meta, expected): one such step and its plain attention (scale 0.25)."""
     seqs = [(70, 70), (5, 1), (140, 1), (33, 17), (16, 16), (90, 3)]
     k_cache, v_cache, meta = _paged_batch(seqs, block_size, heads[1], 16, seed=block_size + heads[0])
     q = torch.randn(meta.num_tokens, heads[0], 16, generator=torch.Generator().manual_seed(1))
-    out = ta.tiled_paged_attention(q, k_cache, v_cache, meta, 0.25)
-    expected = paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # The ops' attention is the SDPA form (tests/engine/test_cpu_sdpa_attention.py): attention too.
-    torch.testing.assert_close(INV.attention(q, k_cache, v_cache, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
+    return q, k_cache, v_cache, meta, paged_attention_ref(q, k_cache, v_cache, meta, 0.25)
+
+
+@pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
+@pytest.mark.parametrize(("block_size", "heads"), PLAIN_CASES)
+def test_attention_matches_plain_attention(block_size, heads, attend):
+    q, k_cache, v_cache, meta, expected = plain_case(block_size, heads)
+    torch.testing.assert_close(attend(q, k_cache, v_cache, meta, 0.25), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attend", ATTENTIONS.values(), ids=ATTENTIONS.keys())
