@@ -17,7 +17,7 @@ torch only (no triton), so the planner logic runs anywhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -67,16 +67,17 @@ class BucketPlanner(Generic[C]):
         self._buckets = buckets
         self._fallback = fallback
         self._launch = launch
-        self._verdicts: dict[tuple[int, int, torch.dtype, str], bool] = {}
+        self._verdicts: dict[tuple[int, int, torch.dtype, str, Hashable], bool] = {}
 
     def choose(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-               *operands: object) -> C:
+               *operands: object, key_extra: Hashable = None) -> C:
         """The config for an [m, k] x [n, k]^T call on `device`; `operands` are what `launch` takes before
-        the config (used once per shape, by the proof)."""
+        the config (used once per shape, by the proof); `key_extra`: whatever else the verdict depends on
+        (kept apart per value, e.g. a launch option the proof exercises)."""
         buckets = self._buckets(n, k, dtype)
         if len(buckets) == 1:
             return buckets[0][1]
-        key = (n, k, dtype, str(device))
+        key = (n, k, dtype, str(device), key_extra)
         agree = self._verdicts.get(key)
         if agree is None:
             capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -94,5 +95,5 @@ class BucketPlanner(Generic[C]):
 
     def verdicts(self) -> dict[str, bool]:
         """Per weight shape 'NxK dtype device': whether the M-bucket configs are in use (diagnostics)."""
-        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}": v
-                for (n, k, d, dev), v in self._verdicts.items()}
+        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}{'' if extra is None else f' {extra}'}": v
+                for (n, k, d, dev, extra), v in self._verdicts.items()}
