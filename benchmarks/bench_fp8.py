@@ -222,6 +222,31 @@ def _quick_gemms() -> list[dict]:
     return rows
 
 
+def _sweeps(args: argparse.Namespace, layers: dict[str, tuple[int, int]], result: dict,
+            ap: argparse.ArgumentParser) -> None:
+    """The block sweep (first: the one a bucket table waits on), then the rowwise one, sharing the budget."""
+    from benchmarks.fp8_sweep import KERNELS, LOADS, sweep, sweep_table
+
+    kernels = tuple(kn for kn in args.sweep_kernels.split(",") if kn)
+    loads = tuple(ld for ld in args.sweep_loads.split(",") if ld)
+    if set(kernels) - {*KERNELS, "block"} or set(loads) - set(LOADS):
+        ap.error(f"--sweep-kernels of {(*KERNELS, 'block')}, --sweep-loads of {LOADS}")
+    t0 = time.perf_counter()
+    if "block" in kernels:
+        from benchmarks.fp8_block_sweep import block_sweep, block_sweep_text
+
+        block_ms = tuple(int(v) for v in args.block_ms.split(",") if v)
+        result["block_sweep"] = block_sweep(layers, block_ms, emit, args.sweep_budget_s)
+        print(block_sweep_text(result["block_sweep"]), flush=True)
+    rowwise = tuple(kn for kn in kernels if kn != "block")
+    if rowwise:
+        spent = time.perf_counter() - t0
+        budget = None if args.sweep_budget_s is None else max(0.0, args.sweep_budget_s - spent)
+        sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
+        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, args.sweep_quick)
+        print(sweep_table(result["sweep"]), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, torch references")
@@ -234,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM / MoE timing")
     ap.add_argument("--sweep", action="store_true", help="also the tile sweep (benchmarks/fp8_sweep.py)")
     ap.add_argument("--sweep-ms", default="64,256,2048,8192", help="row counts the sweep times")
-    ap.add_argument("--sweep-kernels", default="rowwise,block", help="of rowwise,block")
+    ap.add_argument("--sweep-kernels", default="rowwise,block", help="of rowwise,block (block: "
+                    "benchmarks/fp8_block_sweep.py, at --block-ms, its bucket table printed to paste)")
+    ap.add_argument("--block-ms", default="1,16,64,128,256,2048,16384",
+                    help="row counts the block sweep times")
     ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
     ap.add_argument("--sweep-quick", action="store_true",
                     help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")
@@ -275,15 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["gemm"] = _quick_gemms()
     if args.sweep and cuda:
-        from benchmarks.fp8_sweep import KERNELS, LOADS, sweep, sweep_table
-
-        kernels = tuple(kn for kn in args.sweep_kernels.split(",") if kn)
-        loads = tuple(ld for ld in args.sweep_loads.split(",") if ld)
-        if set(kernels) - set(KERNELS) or set(loads) - set(LOADS):
-            ap.error(f"--sweep-kernels of {KERNELS}, --sweep-loads of {LOADS}")
-        sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
-        result["sweep"] = sweep(layers, sweep_ms, emit, kernels, loads, args.sweep_budget_s, args.sweep_quick)
-        print(sweep_table(result["sweep"]), flush=True)
+        _sweeps(args, layers, result, ap)
     if not args.skip_e2e:
         result["e2e"] = bench_e2e(arms, args.runs, args.quick, args.prefix_cache)
         result["e2e_vs_bf16_det"] = _e2e_ratios(result["e2e"])

@@ -54,7 +54,7 @@ def _weights(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     wq, inv = quantize_fp8_block(w, (128, 128))
     wc, sc = quantize_fp8_channel(w)
-    return {"w": w, "block_q": wq, "block_s": row_scales(inv, n, k, 128, (128, 128)),
+    return {"w": w, "block_q": wq, "block_s": row_scales(inv, n, k, 128, (128, 128)), "block_inv": inv,
             "row_q": wc, "row_s": sc.contiguous(), "row_s_t": sc.reshape(1, n).contiguous()}
 
 

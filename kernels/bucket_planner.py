@@ -58,13 +58,17 @@ class BucketPlanner(Generic[C]):
     `buckets(n, k, dtype)`: (max_m, config) pairs by ascending M, the last open-ended (a function of the
     weight only); `fallback(n, k, dtype)`: the single config used for every M where the buckets are not
     proven; `launch(*operands, config)`: the GEMM with a given config, run by the proof. One planner per
-    engine (the ops backend owns it); verdicts are never shared between engines or devices.
+    engine (the ops backend owns it); verdicts are never shared between engines or devices. `prove_single`:
+    prove a one-bucket table too (see `__init__`).
     """
 
     def __init__(self, buckets: Callable[[int, int, torch.dtype], Buckets],
                  fallback: Callable[[int, int, torch.dtype], C],
-                 launch: Callable[..., torch.Tensor]) -> None:
+                 launch: Callable[..., torch.Tensor], prove_single: bool = False) -> None:
         self._buckets = buckets
+        # A one-bucket table is used unproven unless `prove_single` (a planner whose proof also compares
+        # the fallback config, so even one bucket config must show the fallback's bits first).
+        self._prove_single = prove_single
         self._fallback = fallback
         self._launch = launch
         self._verdicts: dict[tuple[int, int, torch.dtype, str, Hashable], bool] = {}
@@ -75,7 +79,7 @@ class BucketPlanner(Generic[C]):
         the config (used once per shape, by the proof); `key_extra`: whatever else the verdict depends on
         (kept apart per value, e.g. a launch option the proof exercises)."""
         buckets = self._buckets(n, k, dtype)
-        if len(buckets) == 1:
+        if len(buckets) == 1 and not self._prove_single:
             return buckets[0][1]
         key = (n, k, dtype, str(device), key_extra)
         agree = self._verdicts.get(key)

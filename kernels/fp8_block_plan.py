@@ -128,7 +128,7 @@ class BlockPlanner(BucketPlanner[dict[str, int]]):
 
     def __init__(self) -> None:
         super().__init__(lambda n, k, d: block_buckets(n, k), lambda n, k, d: parse_config(REFERENCE),
-                         block_matmul)
+                         block_matmul, prove_single=True)
 
     def config(self, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, out_dtype: torch.dtype, scale_block_n: int) -> dict[str, int]:
