@@ -165,12 +165,13 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path, prefix_cache: bool = 
 
 
 def _planner_verdicts(llm) -> dict[str, dict[str, bool]]:
-    """Per GEMM planner of the engine's ops backend (bf16 `_planner`, rowwise FP8 `_fp8_planner`), which
-    weight shapes use their M-bucket tiles (True) or one config for every M (False): whether the tuned
-    tiles were in use in the arm."""
+    """Per GEMM planner of the engine's ops backend (bf16 `_planner`, FP8 rowwise `_fp8_planner`, FP8
+    block-scaled `_block_planner`), which weight shapes use their M-bucket tiles (True) or one config for
+    every M (False): whether the tuned tiles were in use in the arm."""
     ops = next((m.ops for m in llm.model.modules() if getattr(m, "ops", None) is not None), None)
     out = {}
-    for name, attr in (("bf16", "_planner"), ("fp8_rowwise", "_fp8_planner")):
+    planners = (("bf16", "_planner"), ("fp8_rowwise", "_fp8_planner"), ("fp8_block", "_block_planner"))
+    for name, attr in planners:
         planner = getattr(ops, attr, None)
         if planner is not None:
             out[name] = planner.verdicts()
