@@ -7,9 +7,11 @@ cuBLAS bf16, torch._scaled_mm rowwise (the FP8 ceiling), ours block-scaled (K lo
 invariant planner's M-bucket tile), each with the activation quantization included (`*_quant`) and alone
 (`*_alone`), plus the quantizations alone; qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336 at M = 64, 256, 2048. MoE: the whole routed-expert op of DeepSeek-V2-Lite (64 experts, top-6,
-hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py (rowwise
-with pointer and TMA loads, block-scaled; M = 64 / 256 / 2048 / 8192 unless --sweep-ms; --sweep-kernels,
---sweep-loads and --sweep-budget-s keep it short).
+hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_block_sweep.py
+(block-scaled candidates at --block-ms, bits against the reference config, peers, the bucket table to
+paste into kernels/fp8_block_plan.py) then benchmarks/fp8_sweep.py (rowwise with pointer and TMA loads;
+M = 64 / 256 / 2048 / 8192 unless --sweep-ms); --sweep-kernels, --sweep-loads and --sweep-budget-s (shared
+by both) keep it short.
 Fused activation quantization (benchmarks/fp8_fused_timing.py): RMSNorm -> FP8 (K = 4096) and SiLU-and-mul
 -> FP8 (K = 14336) against the bf16 op and the op + quantize_rows, alone and with the consumer GEMM, at
 M = 64 / 256 / 2048 (part of the GEMM part; `--fused-only` runs just that table, ~1 min).
@@ -31,6 +33,10 @@ On one H200 (estimates, not yet measured; each command is meant to stay under 8 
         --sweep-budget-s 60 --json out/fp8_rowwise_sweep.json   # rowwise bucket tiles only, ~1 min
     python3 benchmarks/bench_fp8.py --fused-only --json out/fp8_fused.json    # fused quant table, ~1 min
     python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8ch-det,fp8ch-unfused-det  # ~3.5 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --skip-e2e --sweep --sweep-kernels block \
+        --sweep-budget-s 180 --json out/fp8_block_sweep.json   # block candidates, table to paste, <= 4 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8-kv8-det,fp8-kv8-fast,fp8ch-kv8-det \
+        --runs 3 --json out/fp8_block_e2e.json   # block-scaled FP8 end to end against bf16 / rowwise, ~5 min
     python3 benchmarks/bench_fp8.py --quick                   # CPU smoke test (about a minute)
 """
 
@@ -67,6 +73,10 @@ ARMS = {
     "fp8ch-kv8-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=True),
     "fp8ch-kv8-fast": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=False),
     "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
+    "fp8-kv8-fast": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=False),
+    # The block-scaled linears quantizing their own input (before kernels/fp8_group_quant.py).
+    "fp8-unfused-det": dict(LLAMA, quantization="fp8", deterministic=True,
+                            env={"DEEPINFER_DISABLE_FUSED_FP8_QUANT": "1"}),
     "ds-bf16-det": dict(DEEPSEEK, quantization=None, deterministic=True),
     "ds-fp8-det": dict(DEEPSEEK, quantization="fp8", deterministic=True),     # FP8 experts: grouped GEMM
     "ds-fp8-fast": dict(DEEPSEEK, quantization="fp8", deterministic=False),

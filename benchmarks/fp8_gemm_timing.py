@@ -91,6 +91,13 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
         "quant_rows": lambda: fr.quantize_rows(x),
         "quant_block": lambda: fm.quantize_act(x, 128),
     }
+    from deepinfer.kernels.fp8_block_plan import block_tile_config
+
+    # The block-scaled kernel with the bucket table's config for this M (kernels/fp8_block_plan.py), one
+    # weight scale per tile as the engine runs it.
+    bucket_b = block_tile_config(m, n, k)
+    arms["block_bucket_alone"] = lambda: fm.block_matmul(xq_b, xs_b, bq, bs, None, x.dtype, bucket_b,
+                                                         scale_block_n=128)
     for loop in (0, 1, 2):
         cfg = {**block, "K_LOOP": loop}
         arms[f"block_k{loop}_quant"] = lambda cfg=cfg: fm.fp8_linear(x, bq, bs, config=cfg)
