@@ -84,7 +84,8 @@ BLOCK_BUCKET_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {
 # (what one weight scale per tile saves).
 BLOCK_SWEEP_CANDIDATES: tuple[str, ...] = (
     REFERENCE, "64x128x128 w4 s3 tma cols",
-    "64x32x128 w4 s6 tma", "64x32x128 w4 s8 tma", "64x64x128 w4 s4 tma", "64x64x128 w4 s6 tma", "64x128x128 w4 s4 tma",
+    "64x32x128 w4 s6 tma", "64x32x128 w4 s8 tma", "64x64x128 w4 s4 tma", "64x64x128 w4 s6 tma",
+    "64x128x128 w4 s4 tma",
     "64x128x128 w4 s3 tma", "64x128x128 w4 s3 tma pers2", "64x256x128 w4 s3 tma",
     "128x128x128 w8 s3 tma", "128x128x128 w8 s4 tma", "128x128x128 w8 s3 tma pers1",
     "128x256x128 w8 s3 tma", "128x256x128 w8 s3 tma pers1",
