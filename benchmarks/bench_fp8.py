@@ -249,6 +249,9 @@ def _sweeps(args: argparse.Namespace, layers: dict[str, tuple[int, int]], result
         block_ms = tuple(int(v) for v in args.block_ms.split(",") if v)
         result["block_sweep"] = block_sweep(layers, block_ms, emit, args.sweep_budget_s)
         print(block_sweep_text(result["block_sweep"]), flush=True)
+        if args.block_table_out:
+            args.block_table_out.parent.mkdir(parents=True, exist_ok=True)
+            args.block_table_out.write_text(json.dumps(result["block_sweep"]["table"], indent=1))
     rowwise = tuple(kn for kn in kernels if kn != "block")
     if rowwise:
         spent = time.perf_counter() - t0
@@ -274,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks/fp8_block_sweep.py, at --block-ms, its bucket table printed to paste)")
     ap.add_argument("--block-ms", default="1,16,64,128,256,2048,16384",
                     help="row counts the block sweep times")
+    ap.add_argument("--block-table-out", type=Path, default=None,
+                    help="write the block sweep's bucket table here as JSON (run it end to end with "
+                         "DEEPINFER_FP8_BLOCK_TABLE=<file>, kernels/fp8_block_plan.py)")
     ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
     ap.add_argument("--sweep-quick", action="store_true",
                     help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")

@@ -18,8 +18,10 @@ the bucket for its M with no proof.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from deepinfer.kernels._checks import check_tensor
@@ -28,8 +30,10 @@ from deepinfer.kernels.fp8_matmul import _check_weight, block_matmul, quantize_a
 from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
 __all__ = ["parse_config", "config_name", "REFERENCE", "BLOCK_BUCKET_TABLE", "BLOCK_SWEEP_CANDIDATES",
-           "shape_class", "block_buckets", "block_tile_config", "BlockPlanner", "block_linear",
-           "block_linear_quantized"]
+           "BLOCK_TABLE_ENV", "load_block_table", "shape_class", "block_buckets", "block_tile_config",
+           "BlockPlanner", "block_linear", "block_linear_quantized"]
+
+Table = Mapping[str, Sequence[tuple[int | None, str]]]
 
 _NAME = re.compile(r"^(\d+)x(\d+)x(\d+) w(\d+) s(\d+)((?: k1| tma| pers\d+| cols)*)$")
 
@@ -92,6 +96,32 @@ BLOCK_SWEEP_CANDIDATES: tuple[str, ...] = (
 )
 
 
+# A JSON file {"class": [[max_m or null, "config name"], ...]} (bench_fp8.py --block-table-out writes the
+# sweep's) that CUDA backends run instead of BLOCK_BUCKET_TABLE, read once per backend: a sweep's table
+# measured end to end without a code change. The planner proves whichever table runs.
+BLOCK_TABLE_ENV = "DEEPINFER_FP8_BLOCK_TABLE"
+
+
+def load_block_table(path: str | None) -> Table:
+    """BLOCK_BUCKET_TABLE with the classes of the JSON table at `path` replaced (None / "": unchanged);
+    ValueError for a malformed table (bounds not ascending, the last not open-ended, a bad config name)."""
+    if not path:
+        return BLOCK_BUCKET_TABLE
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    table: dict[str, tuple[tuple[int | None, str], ...]] = {}
+    for cls, buckets in raw.items():
+        rows = tuple((None if b is None else int(b), str(name)) for b, name in buckets)
+        bounds = [b for b, _ in rows]
+        if cls not in BLOCK_BUCKET_TABLE or not rows or bounds[-1] is not None or None in bounds[:-1] \
+                or bounds[:-1] != sorted(bounds[:-1]):
+            raise ValueError(f"{path}: class {cls!r}: expected one of {sorted(BLOCK_BUCKET_TABLE)} with "
+                             f"ascending bounds, the last null, got {bounds}")
+        for _, name in rows:
+            parse_config(name)
+        table[cls] = rows
+    return {**BLOCK_BUCKET_TABLE, **table}
+
+
 def shape_class(n: int, k: int) -> str:
     """The bucket-table class of an [N, K] weight: "wide" (gate_up-like), "long_k" (down-like), else
     "default" (qkv / o)."""
@@ -102,16 +132,19 @@ def shape_class(n: int, k: int) -> str:
     return "default"
 
 
-def block_buckets(n: int, k: int) -> tuple[tuple[int | None, dict[str, int]], ...]:
-    """(max_m, config) by ascending M for an [N, K] weight, from BLOCK_BUCKET_TABLE (never from M)."""
-    return tuple((max_m, parse_config(name)) for max_m, name in BLOCK_BUCKET_TABLE[shape_class(n, k)])
+def block_buckets(n: int, k: int, table: Table | None = None
+                  ) -> tuple[tuple[int | None, dict[str, int]], ...]:
+    """(max_m, config) by ascending M for an [N, K] weight, from `table` (default BLOCK_BUCKET_TABLE; never
+    from M)."""
+    rows = (table or BLOCK_BUCKET_TABLE)[shape_class(n, k)]
+    return tuple((max_m, parse_config(name)) for max_m, name in rows)
 
 
-def block_tile_config(m: int | None, n: int, k: int) -> dict[str, int]:
+def block_tile_config(m: int | None, n: int, k: int, table: Table | None = None) -> dict[str, int]:
     """`REFERENCE` when `m` is None (invariant without a proven table), else the bucket for M (fast)."""
     if m is None:
         return parse_config(REFERENCE)
-    return bucket_for(block_buckets(n, k), m)
+    return bucket_for(block_buckets(n, k, table), m)
 
 
 def _pointer(cfg: dict[str, int]) -> dict[str, int]:
@@ -127,8 +160,8 @@ class BlockPlanner(BucketPlanner[dict[str, int]]):
     M; one per engine (owned by the CUDA invariant ops backend). The verdict is per weight shape and per
     `scale_block_n` (whether the per-tile weight scale runs)."""
 
-    def __init__(self) -> None:
-        super().__init__(lambda n, k, d: block_buckets(n, k), lambda n, k, d: parse_config(REFERENCE),
+    def __init__(self, table: Table | None = None) -> None:
+        super().__init__(lambda n, k, d: block_buckets(n, k, table), lambda n, k, d: parse_config(REFERENCE),
                          block_matmul, prove_single=True)
 
     def config(self, xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -156,10 +189,10 @@ class BlockPlanner(BucketPlanner[dict[str, int]]):
 
 def _choose(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             bias: torch.Tensor | None, out_dtype: torch.dtype, invariant: bool, planner: BlockPlanner | None,
-            scale_block_n: int) -> dict[str, int]:
+            scale_block_n: int, table: Table | None) -> dict[str, int]:
     n, k = weight.shape
     if not invariant:
-        return block_tile_config(xq.shape[0], n, k)
+        return block_tile_config(xq.shape[0], n, k, table)
     if planner is not None:
         return planner.config(xq, xs, weight, weight_scale, bias, out_dtype, scale_block_n)
     return block_tile_config(None, n, k)
@@ -168,11 +201,13 @@ def _choose(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_sca
 def block_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
                            weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                            out_dtype: torch.dtype, group: int = 128, invariant: bool = True,
-                           planner: BlockPlanner | None = None, scale_block_n: int = 0) -> torch.Tensor:
+                           planner: BlockPlanner | None = None, scale_block_n: int = 0,
+                           table: Table | None = None) -> torch.Tensor:
     """The block-scaled GEMM on rows the producing op quantized per token and K-group (xq e4m3 [M, K], xs
     float32 [M, K/group], `quantize_act`'s contract, e.g. from kernels/fp8_group_quant.py) -> [M, N] in
     `out_dtype`; bitwise `block_linear(x)` when (xq, xs) == quantize_act(x, group). `invariant`: tiles by
-    proven M bucket (`planner`) or REFERENCE; `scale_block_n`: see kernels/fp8_block_tma.py (TILE_WS)."""
+    proven M bucket (`planner`, with its own table) or REFERENCE; else the bucket of `table` (default
+    BLOCK_BUCKET_TABLE) for M; `scale_block_n`: see kernels/fp8_block_tma.py (TILE_WS)."""
     check_tensor("xq", xq, ndim=2, dtypes=(FP8_DTYPE,))
     check_tensor("xs", xs, ndim=2, dtypes=(torch.float32,), device=xq.device)
     m, k = xq.shape
@@ -183,7 +218,7 @@ def block_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Ten
     if m == 0 or weight.shape[0] == 0:
         return torch.empty((m, weight.shape[0]), dtype=out_dtype, device=xq.device)
     if group == 128:
-        cfg = _choose(xq, xs, weight, weight_scale, bias, out_dtype, invariant, planner, scale_block_n)
+        cfg = _choose(xq, xs, weight, weight_scale, bias, out_dtype, invariant, planner, scale_block_n, table)
     else:   # the bucket table is for 128-wide K-groups: other groups keep the single config, BLOCK_K = group
         cfg = {**parse_config(REFERENCE), "BLOCK_K": group}
     return block_matmul(xq, xs, weight, weight_scale, bias, out_dtype, cfg, scale_block_n=scale_block_n)
@@ -191,9 +226,11 @@ def block_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Ten
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None = None, *, group: int = 128, invariant: bool = True,
-                 planner: BlockPlanner | None = None, scale_block_n: int = 0) -> torch.Tensor:
+                 planner: BlockPlanner | None = None, scale_block_n: int = 0,
+                 table: Table | None = None) -> torch.Tensor:
     """x [M, K] quantized per token and K-group (`quantize_act`), then `block_linear_quantized`."""
     check_tensor("x", x, ndim=2)
     xq, xs = quantize_act(x, group)
     return block_linear_quantized(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype, group=group,
-                                  invariant=invariant, planner=planner, scale_block_n=scale_block_n)
+                                  invariant=invariant, planner=planner, scale_block_n=scale_block_n,
+                                  table=table)

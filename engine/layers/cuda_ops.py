@@ -45,6 +45,10 @@ class _CudaOps(Ops):
         # freely).
         self._fp8_planner = None
         self._block_planner = None
+        from deepinfer.kernels.fp8_block_plan import BLOCK_TABLE_ENV, load_block_table
+
+        # The block GEMM's bucket table (a sweep's, from a file, or the shipped one), read once.
+        self._block_table = load_block_table(os.environ.get(BLOCK_TABLE_ENV, "").strip() or None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
@@ -168,7 +172,8 @@ class _CudaOps(Ops):
                                                     planner=self._fp8_planner)
             return bp.block_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
                                              out_dtype=x.dtype, group=group, invariant=self.deterministic,
-                                             planner=self._block_planner, scale_block_n=scale_block_n)
+                                             planner=self._block_planner, scale_block_n=scale_block_n,
+                                             table=self._block_table)
         if group >= x.shape[1] and weight_scale.shape[1] == 1:
             from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear
 
@@ -176,7 +181,7 @@ class _CudaOps(Ops):
                                       invariant=self.deterministic, planner=self._fp8_planner)
         return bp.block_linear(x.contiguous(), weight, weight_scale, bias, group=group,
                                invariant=self.deterministic, planner=self._block_planner,
-                               scale_block_n=scale_block_n)
+                               scale_block_n=scale_block_n, table=self._block_table)
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
         from deepinfer.kernels.fp8_row_quant import quantize_rows
@@ -260,7 +265,7 @@ class CudaInvariantOps(_CudaOps):
         # The same for the FP8 GEMMs (BLOCK_K = 128 buckets), proven per weight shape likewise: the rowwise
         # one against its single config, the block-scaled one against today's single config.
         self._fp8_planner = RowwisePlanner()
-        self._block_planner = BlockPlanner()
+        self._block_planner = BlockPlanner(self._block_table)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner)

@@ -57,3 +57,43 @@ def test_block_config_names_round_trip_and_the_table_parses():
 @launches("tests/kernels/test_fp8_block_interpreted.py")
 def test_block_fp8_kernels_pass_under_interpreter(request):
     run_interpreted(request, "fused group quantization, block TMA tile scales, BlockPlanner")
+
+
+def test_sweep_table_keeps_only_reference_equal_candidates_and_loads_as_a_table(tmp_path):
+    """benchmarks/fp8_block_sweep.bucket_table: per class and M the fastest candidate equal to the reference
+    at every M (and invariant), summed over the class's layers, adjacent picks merged, the last open; the
+    JSON bench_fp8.py writes loads back through load_block_table (DEEPINFER_FP8_BLOCK_TABLE)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bp = pytest.importorskip("deepinfer.kernels.fp8_block_plan")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.fp8_block_sweep import bucket_table
+
+    ref, a, b = bp.REFERENCE, "64x64x128 w4 s4 tma", "128x128x128 w8 s3 tma"
+    fast_wrong = "64x32x128 w4 s6 tma"      # the fastest everywhere, but not the reference's bits
+
+    def rec(cls, us, wrong=()):
+        same = {c: {m: c not in wrong for m in t} for c, t in us.items()}
+        return {"class": cls, "us": us, "same_as_ref": same, "invariant": dict.fromkeys(us, True)}
+
+    report = {"ms": [1, 64, 2048], "reference": ref, "layers": {
+        "qkv": rec("default", {ref: {1: 9, 64: 9, 2048: 90}, a: {1: 5, 64: 6, 2048: 120},
+                               b: {1: 8, 64: 9, 2048: 70}, fast_wrong: {1: 1, 64: 1, 2048: 1}}, [fast_wrong]),
+        "o": rec("default", {ref: {1: 9, 64: 9}, a: {1: 5, 64: 6}, b: {1: 9, 64: 9}}),   # M=2048 cut
+        "down": rec("long_k", {ref: {1: 20, 64: 20, 2048: 150}, b: {1: 30, 64: 30, 2048: 100}}),
+    }}
+    table = bucket_table(report)
+    assert table == {"default": [(64, a), (None, b)], "long_k": [(64, ref), (None, b)]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    loaded = bp.load_block_table(str(path))
+    assert loaded["default"] == ((64, a), (None, b)) and loaded["wide"] == bp.BLOCK_BUCKET_TABLE["wide"]
+    assert bp.block_tile_config(2048, 4096, 4096, loaded) == bp.parse_config(b)
+    assert bp.load_block_table(None) is bp.BLOCK_BUCKET_TABLE
+    for bad in ({"default": [[64, a]]}, {"default": [[None, a], [64, b]]}, {"other": [[None, a]]},
+                {"default": [[None, "64x64 w4"]]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            bp.load_block_table(str(path))
