@@ -214,7 +214,7 @@ def block_sweep_text(report: dict) -> str:
             lines.append(f"   peer errors: {errors}")
     lines.append("BLOCK_BUCKET_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {")
     for cls, buckets in report["table"].items():
-        inner = ", ".join(f"({b!r}, {name!r})" for b, name in buckets)
+        inner = ", ".join(f'({b!r}, "{name}")' for b, name in buckets)
         lines.append(f'    "{cls}": ({inner},),')
     lines.append("}")
     if report["skipped"]:
