@@ -7,9 +7,11 @@ cuBLAS bf16, torch._scaled_mm rowwise (the FP8 ceiling), ours block-scaled (K lo
 invariant planner's M-bucket tile), each with the activation quantization included (`*_quant`) and alone
 (`*_alone`), plus the quantizations alone; qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336 at M = 64, 256, 2048. MoE: the whole routed-expert op of DeepSeek-V2-Lite (64 experts, top-6,
-hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_sweep.py (rowwise
-with pointer and TMA loads, block-scaled; M = 64 / 256 / 2048 / 8192 unless --sweep-ms; --sweep-kernels,
---sweep-loads and --sweep-budget-s keep it short).
+hidden 2048, 1408) in FP8 vs bf16 at 64 / 256 / 2048 tokens. `--sweep`: benchmarks/fp8_block_sweep.py
+(block-scaled candidates at --block-ms, bits against the reference config, peers, the bucket table to
+paste into kernels/fp8_block_plan.py) then benchmarks/fp8_sweep.py (rowwise with pointer and TMA loads;
+M = 64 / 256 / 2048 / 8192 unless --sweep-ms); --sweep-kernels, --sweep-loads and --sweep-budget-s (shared
+by both) keep it short.
 Fused activation quantization (benchmarks/fp8_fused_timing.py): RMSNorm -> FP8 (K = 4096) and SiLU-and-mul
 -> FP8 (K = 14336) against the bf16 op and the op + quantize_rows, alone and with the consumer GEMM, at
 M = 64 / 256 / 2048 (part of the GEMM part; `--fused-only` runs just that table, ~1 min).
@@ -31,6 +33,10 @@ On one H200 (estimates, not yet measured; each command is meant to stay under 8 
         --sweep-budget-s 60 --json out/fp8_rowwise_sweep.json   # rowwise bucket tiles only, ~1 min
     python3 benchmarks/bench_fp8.py --fused-only --json out/fp8_fused.json    # fused quant table, ~1 min
     python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8ch-det,fp8ch-unfused-det  # ~3.5 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --skip-e2e --sweep --sweep-kernels block \
+        --sweep-budget-s 180 --json out/fp8_block_sweep.json   # block candidates, table to paste, <= 4 min
+    python3 benchmarks/bench_fp8.py --skip-gemm --arms bf16-det,fp8-kv8-det,fp8-kv8-fast,fp8ch-kv8-det \
+        --runs 3 --json out/fp8_block_e2e.json   # block-scaled FP8 end to end against bf16 / rowwise, ~5 min
     python3 benchmarks/bench_fp8.py --quick                   # CPU smoke test (about a minute)
 """
 
@@ -67,6 +73,10 @@ ARMS = {
     "fp8ch-kv8-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=True),
     "fp8ch-kv8-fast": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=False),
     "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
+    "fp8-kv8-fast": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=False),
+    # The block-scaled linears quantizing their own input (before kernels/fp8_group_quant.py).
+    "fp8-unfused-det": dict(LLAMA, quantization="fp8", deterministic=True,
+                            env={"DEEPINFER_DISABLE_FUSED_FP8_QUANT": "1"}),
     "ds-bf16-det": dict(DEEPSEEK, quantization=None, deterministic=True),
     "ds-fp8-det": dict(DEEPSEEK, quantization="fp8", deterministic=True),     # FP8 experts: grouped GEMM
     "ds-fp8-fast": dict(DEEPSEEK, quantization="fp8", deterministic=False),
@@ -165,12 +175,13 @@ def _run_arm(arm: str, runs: int, quick: bool, root: Path, prefix_cache: bool = 
 
 
 def _planner_verdicts(llm) -> dict[str, dict[str, bool]]:
-    """Per GEMM planner of the engine's ops backend (bf16 `_planner`, rowwise FP8 `_fp8_planner`), which
-    weight shapes use their M-bucket tiles (True) or one config for every M (False): whether the tuned
-    tiles were in use in the arm."""
+    """Per GEMM planner of the engine's ops backend (bf16 `_planner`, FP8 rowwise `_fp8_planner`, FP8
+    block-scaled `_block_planner`), which weight shapes use their M-bucket tiles (True) or one config for
+    every M (False): whether the tuned tiles were in use in the arm."""
     ops = next((m.ops for m in llm.model.modules() if getattr(m, "ops", None) is not None), None)
     out = {}
-    for name, attr in (("bf16", "_planner"), ("fp8_rowwise", "_fp8_planner")):
+    planners = (("bf16", "_planner"), ("fp8_rowwise", "_fp8_planner"), ("fp8_block", "_block_planner"))
+    for name, attr in planners:
         planner = getattr(ops, attr, None)
         if planner is not None:
             out[name] = planner.verdicts()
@@ -222,6 +233,34 @@ def _quick_gemms() -> list[dict]:
     return rows
 
 
+def _sweeps(args: argparse.Namespace, layers: dict[str, tuple[int, int]], result: dict,
+            ap: argparse.ArgumentParser) -> None:
+    """The block sweep (first: the one a bucket table waits on), then the rowwise one, sharing the budget."""
+    from benchmarks.fp8_sweep import KERNELS, LOADS, sweep, sweep_table
+
+    kernels = tuple(kn for kn in args.sweep_kernels.split(",") if kn)
+    loads = tuple(ld for ld in args.sweep_loads.split(",") if ld)
+    if set(kernels) - {*KERNELS, "block"} or set(loads) - set(LOADS):
+        ap.error(f"--sweep-kernels of {(*KERNELS, 'block')}, --sweep-loads of {LOADS}")
+    t0 = time.perf_counter()
+    if "block" in kernels:
+        from benchmarks.fp8_block_sweep import block_sweep, block_sweep_text
+
+        block_ms = tuple(int(v) for v in args.block_ms.split(",") if v)
+        result["block_sweep"] = block_sweep(layers, block_ms, emit, args.sweep_budget_s)
+        print(block_sweep_text(result["block_sweep"]), flush=True)
+        if args.block_table_out:
+            args.block_table_out.parent.mkdir(parents=True, exist_ok=True)
+            args.block_table_out.write_text(json.dumps(result["block_sweep"]["table"], indent=1))
+    rowwise = tuple(kn for kn in kernels if kn != "block")
+    if rowwise:
+        spent = time.perf_counter() - t0
+        budget = None if args.sweep_budget_s is None else max(0.0, args.sweep_budget_s - spent)
+        sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
+        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, args.sweep_quick)
+        print(sweep_table(result["sweep"]), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny shapes, torch references")
@@ -234,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-gemm", action="store_true", help="no GEMM / MoE timing")
     ap.add_argument("--sweep", action="store_true", help="also the tile sweep (benchmarks/fp8_sweep.py)")
     ap.add_argument("--sweep-ms", default="64,256,2048,8192", help="row counts the sweep times")
-    ap.add_argument("--sweep-kernels", default="rowwise,block", help="of rowwise,block")
+    ap.add_argument("--sweep-kernels", default="rowwise,block", help="of rowwise,block (block: "
+                    "benchmarks/fp8_block_sweep.py, at --block-ms, its bucket table printed to paste)")
+    ap.add_argument("--block-ms", default="1,16,64,128,256,2048,16384",
+                    help="row counts the block sweep times")
+    ap.add_argument("--block-table-out", type=Path, default=None,
+                    help="write the block sweep's bucket table here as JSON (run it end to end with "
+                         "DEEPINFER_FP8_BLOCK_TABLE=<file>, kernels/fp8_block_plan.py)")
     ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
     ap.add_argument("--sweep-quick", action="store_true",
                     help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")
@@ -275,15 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["gemm"] = _quick_gemms()
     if args.sweep and cuda:
-        from benchmarks.fp8_sweep import KERNELS, LOADS, sweep, sweep_table
-
-        kernels = tuple(kn for kn in args.sweep_kernels.split(",") if kn)
-        loads = tuple(ld for ld in args.sweep_loads.split(",") if ld)
-        if set(kernels) - set(KERNELS) or set(loads) - set(LOADS):
-            ap.error(f"--sweep-kernels of {KERNELS}, --sweep-loads of {LOADS}")
-        sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
-        result["sweep"] = sweep(layers, sweep_ms, emit, kernels, loads, args.sweep_budget_s, args.sweep_quick)
-        print(sweep_table(result["sweep"]), flush=True)
+        _sweeps(args, layers, result, ap)
     if not args.skip_e2e:
         result["e2e"] = bench_e2e(arms, args.runs, args.quick, args.prefix_cache)
         result["e2e_vs_bf16_det"] = _e2e_ratios(result["e2e"])

@@ -54,7 +54,7 @@ def _weights(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     wq, inv = quantize_fp8_block(w, (128, 128))
     wc, sc = quantize_fp8_channel(w)
-    return {"w": w, "block_q": wq, "block_s": row_scales(inv, n, k, 128, (128, 128)),
+    return {"w": w, "block_q": wq, "block_s": row_scales(inv, n, k, 128, (128, 128)), "block_inv": inv,
             "row_q": wc, "row_s": sc.contiguous(), "row_s_t": sc.reshape(1, n).contiguous()}
 
 
@@ -91,6 +91,13 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
         "quant_rows": lambda: fr.quantize_rows(x),
         "quant_block": lambda: fm.quantize_act(x, 128),
     }
+    from deepinfer.kernels.fp8_block_plan import block_tile_config
+
+    # The block-scaled kernel with the bucket table's config for this M (kernels/fp8_block_plan.py), one
+    # weight scale per tile as the engine runs it.
+    bucket_b = block_tile_config(m, n, k)
+    arms["block_bucket_alone"] = lambda: fm.block_matmul(xq_b, xs_b, bq, bs, None, x.dtype, bucket_b,
+                                                         scale_block_n=128)
     for loop in (0, 1, 2):
         cfg = {**block, "K_LOOP": loop}
         arms[f"block_k{loop}_quant"] = lambda cfg=cfg: fm.fp8_linear(x, bq, bs, config=cfg)

@@ -1,8 +1,8 @@
 """Tile sweep for benchmarks/bench_fp8.py --sweep: the rowwise candidates (kernels/fp8_rowwise.py
-ROWWISE_CANDIDATES with pointer loads, ROWWISE_TMA_CANDIDATES with TMA tile loads) and the block-scaled
-candidates, every K loop (kernels/fp8_matmul.py block_candidates), on the Llama-3.1-8B layer shapes at each
-M (decode-sized to prefill-sized, 8192 by default), GEMM alone on pre-quantized activations, timed in CUDA
-graphs.
+ROWWISE_CANDIDATES with pointer loads, ROWWISE_TMA_CANDIDATES with TMA tile loads) on the Llama-3.1-8B layer
+shapes at each M (decode-sized to prefill-sized, 8192 by default), GEMM alone on pre-quantized activations,
+timed in CUDA graphs. The block-scaled kernel has its own sweep (benchmarks/fp8_block_sweep.py: candidates
+checked bitwise against the reference config, its bucket table printed ready to paste).
 
 Printed per shape: the best config per M (what a fast-mode M policy would pick) and the best single config
 over all M (what the batch-invariant mode without a planner would pick). Checked per config: the first 64
@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.fp8_gemm_timing import _weights, graph_time
 
-KERNELS = ("rowwise", "block")
+KERNELS = ("rowwise",)
 LOADS = ("pointer", "tma")
 # `quick=True`: the rowwise tiles a bucket table would choose between (TMA, and today's pointer tile), so a
 # fixed-length GPU run can sweep M = 64 .. 8192 on every layer in well under a minute.
@@ -51,7 +51,6 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
           budget_s: float | None = None, quick: bool = False) -> dict:
     """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
     `quick` the short rowwise list (QUICK_ROWWISE)."""
-    from deepinfer.kernels import fp8_matmul as fm
     from deepinfer.kernels import fp8_rowwise as fr
 
     table = {
@@ -59,10 +58,6 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
                     lambda xq, xs, w, cfg: fr.rowwise_matmul(xq, xs, w["row_q"], w["row_s"], None,
                                                              torch.bfloat16, cfg),
                     lambda x: fr.quantize_rows(x)),
-        "block": (fm.block_candidates(128, tma="tma" in loads),
-                  lambda xq, xs, w, cfg: fm.block_matmul(xq, xs, w["block_q"], w["block_s"], None,
-                                                         torch.bfloat16, cfg),
-                  lambda x: fm.quantize_act(x, 128)),
     }
     ms = tuple(sorted(ms))
     report: dict = {"skipped_for_budget": []}

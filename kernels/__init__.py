@@ -6,7 +6,9 @@ fp8_rowwise (fp8_rowwise_linear, fp8_rowwise_linear_quantized, RowwisePlanner), 
 fp8_block_tma (the FP8 GEMMs with TMA tile loads), bucket_planner (BucketPlanner: M-bucket tiles proven
 bitwise equal on the device first), fp8_row_quant (quantize_rows),
 fp8_fused_quant (rms_norm_quant, silu_and_mul_quant: the activation quantization fused into its
-producer), fp8_moe (fp8_fused_moe), kv_fp8 (store_kv_fp8), MLA:
+producer), fp8_group_quant (the same per token and K-group, for the block-scaled GEMM), fp8_block_plan
+(block_linear, BlockPlanner: the block-scaled GEMM's proven M-bucket tiles, its data-driven table),
+fp8_moe (fp8_fused_moe), kv_fp8 (store_kv_fp8), MLA:
 store_mla, mla_proj (head_proj), mla_decode (mla_decode, split-KV), MoE:
 fused_moe (fused_moe, moe_align), DeepSeek-V4: v4_attention (v4_sink_attention, gathered sink attention
 by slot), v4_indexer (indexer_scores, the Lightning Indexer). Importing this package does not import

@@ -17,7 +17,7 @@ torch only (no triton), so the planner logic runs anywhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -58,25 +58,30 @@ class BucketPlanner(Generic[C]):
     `buckets(n, k, dtype)`: (max_m, config) pairs by ascending M, the last open-ended (a function of the
     weight only); `fallback(n, k, dtype)`: the single config used for every M where the buckets are not
     proven; `launch(*operands, config)`: the GEMM with a given config, run by the proof. One planner per
-    engine (the ops backend owns it); verdicts are never shared between engines or devices.
+    engine (the ops backend owns it); verdicts are never shared between engines or devices. `prove_single`:
+    prove a one-bucket table too (see `__init__`).
     """
 
     def __init__(self, buckets: Callable[[int, int, torch.dtype], Buckets],
                  fallback: Callable[[int, int, torch.dtype], C],
-                 launch: Callable[..., torch.Tensor]) -> None:
+                 launch: Callable[..., torch.Tensor], prove_single: bool = False) -> None:
         self._buckets = buckets
+        # A one-bucket table is used unproven unless `prove_single` (a planner whose proof also compares
+        # the fallback config, so even one bucket config must show the fallback's bits first).
+        self._prove_single = prove_single
         self._fallback = fallback
         self._launch = launch
-        self._verdicts: dict[tuple[int, int, torch.dtype, str], bool] = {}
+        self._verdicts: dict[tuple[int, int, torch.dtype, str, Hashable], bool] = {}
 
     def choose(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-               *operands: object) -> C:
+               *operands: object, key_extra: Hashable = None) -> C:
         """The config for an [m, k] x [n, k]^T call on `device`; `operands` are what `launch` takes before
-        the config (used once per shape, by the proof)."""
+        the config (used once per shape, by the proof); `key_extra`: whatever else the verdict depends on
+        (kept apart per value, e.g. a launch option the proof exercises)."""
         buckets = self._buckets(n, k, dtype)
-        if len(buckets) == 1:
+        if len(buckets) == 1 and not self._prove_single:
             return buckets[0][1]
-        key = (n, k, dtype, str(device))
+        key = (n, k, dtype, str(device), key_extra)
         agree = self._verdicts.get(key)
         if agree is None:
             capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -94,5 +99,5 @@ class BucketPlanner(Generic[C]):
 
     def verdicts(self) -> dict[str, bool]:
         """Per weight shape 'NxK dtype device': whether the M-bucket configs are in use (diagnostics)."""
-        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}": v
-                for (n, k, d, dev), v in self._verdicts.items()}
+        return {f"{n}x{k} {str(d).removeprefix('torch.')} {dev}{'' if extra is None else f' {extra}'}": v
+                for (n, k, d, dev, extra), v in self._verdicts.items()}

@@ -17,9 +17,9 @@ before step k-1's scaling (software-pipelined promotion): the same float32 opera
 so the same bits as 0 (the sweep checks it on the device); 2 keeps two partial accumulators (even / odd
 steps, other bits, still batch-invariant).
 Tile loads: "TMA": 1 in a config fetches the e4m3 tiles by TMA descriptors (kernels/fp8_block_tma.py, K
-loops 0 and 1) where the device and operands allow, else by pointer loads: the same operations, so the same
-bits. No default config sets it yet (not measured on the device); `block_candidates(tma=True)` adds the
-TMA forms to the sweep.
+loops 0 and 1; also its persistent loop and one weight scale per tile) where the device and operands allow,
+else by pointer loads: the same operations, so the same bits. The engine's M-bucket configs and their
+proof live in kernels/fp8_block_plan.py (BlockPlanner); `fp8_linear` here keeps the single config.
 Per-channel / per-tensor weights take the rowwise kernel instead (kernels/fp8_rowwise.py).
 """
 
@@ -35,7 +35,7 @@ from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_grouped_matmul", "fp8_tile_config",
-           "block_candidates"]
+           "block_matmul"]
 
 
 @triton.jit
@@ -107,18 +107,6 @@ def fp8_tile_config(m: int | None, n: int, k: int, group: int) -> dict[str, int]
 def _block_cfg(bm: int, bn: int, group: int, warps: int, stages: int, k_loop: int) -> dict[str, int]:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": group, "GROUP_M": 8, "num_warps": warps,
             "num_stages": stages, "K_LOOP": k_loop}
-
-
-def block_candidates(group: int = 128, tma: bool = False) -> tuple[dict[str, int], ...]:
-    """Tile configs a sweep compares (benchmarks/bench_fp8.py --sweep) with each K loop (K_LOOP 0: the
-    default, the dot then its promotion each step; 1: the next step's dot issued before the promotion;
-    2: two partial accumulators, even and odd steps); `tma`: also K loops 0 and 1 with TMA tile loads."""
-    shapes = ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
-              (64, 256, 4, 3), (64, 64, 4, 4))
-    cands = tuple(_block_cfg(bm, bn, group, w, st, loop) for loop in (0, 1, 2) for bm, bn, w, st in shapes)
-    if tma:
-        cands += tuple({**c, "TMA": 1} for c in cands if c["K_LOOP"] in (0, 1))
-    return cands
 
 
 @triton.jit
@@ -265,9 +253,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def block_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int]) -> torch.Tensor:
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int],
+                 scale_block_n: int = 0) -> torch.Tensor:
     """The GEMM alone on rows quantized by `quantize_act` (group = config["BLOCK_K"]); benchmarks time it
-    without the quantization."""
+    without the quantization. `scale_block_n` > 0 promises the weight's row scales are equal within aligned
+    blocks of that many rows: TMA configs whose BLOCK_N divides it read one weight scale per tile and step
+    (the same values; kernels/fp8_block_tma.py), unless the config says "COL_SCALES": 1."""
     cfg = config
     m, k = xq.shape
     n = weight.shape[0]
@@ -275,7 +266,8 @@ def block_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weigh
     if m == 0 or n == 0:
         return out
     if cfg.get("TMA", 0) and cfg.get("K_LOOP", 0) in (0, 1) and tma_usable(xq, weight):
-        return block_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg)
+        return block_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg,
+                                0 if cfg.get("COL_SCALES", 0) else scale_block_n)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,

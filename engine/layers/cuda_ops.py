@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from deepinfer.engine.layers.ops import Ops, QuantizedActivation
+from deepinfer.engine.layers.ops import Ops, QuantizedActivation, check_quantized_input
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.v4_attention import KeySource
 
@@ -25,8 +25,9 @@ def _kernels():
 
 # Set to 1 to run rotary + KV store unfused (rotate q, rotate k, store_kv) on CUDA, e.g. to A/B the kernel.
 DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
-# Set to 1 to let FP8 rowwise linears quantize their bf16 input themselves instead of RMSNorm / SiLU-and-mul
-# handing them quantized rows (kernels/fp8_fused_quant.py; the same bits either way), e.g. to A/B it.
+# Set to 1 to let FP8 linears quantize their bf16 input themselves instead of RMSNorm / SiLU-and-mul handing
+# them quantized rows (kernels/fp8_fused_quant.py per row, kernels/fp8_group_quant.py per K-group; the same
+# bits either way), e.g. to A/B it.
 DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
 
 
@@ -39,9 +40,15 @@ class _CudaOps(Ops):
         # Read once per backend (not per call), so one engine never mixes the two paths.
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
-        # The rowwise FP8 GEMM's M-bucket planner (kernels/fp8_rowwise.py); only the invariant backend has
-        # one (the fast mode picks tiles from M freely).
+        # The rowwise and block-scaled FP8 GEMMs' M-bucket planners (kernels/fp8_rowwise.py,
+        # kernels/fp8_block_plan.py); only the invariant backend has them (the fast mode picks tiles from M
+        # freely).
         self._fp8_planner = None
+        self._block_planner = None
+        from deepinfer.kernels.fp8_block_plan import BLOCK_TABLE_ENV, load_block_table
+
+        # The block GEMM's bucket table (a sweep's, from a file, or the shipped one), read once.
+        self._block_table = load_block_table(os.environ.get(BLOCK_TABLE_ENV, "").strip() or None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
@@ -147,45 +154,68 @@ class _CudaOps(Ops):
                          gate_up, down, invariant=self.deterministic, swiglu_limit=swiglu_limit)
 
     def fp8_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
-                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
-        # FP8 GEMMs, the batch-invariant tile config in deterministic mode. One K-group spanning K (per-
-        # channel / per-tensor weights): the rowwise kernel, scales applied once after the K loop
-        # (kernels/fp8_rowwise.py), on rows the producing op may have quantized already; else the block-
-        # scaled kernel (kernels/fp8_matmul.py).
-        if isinstance(x, QuantizedActivation):
-            from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear_quantized
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
+                   scale_block_n: int = 0) -> torch.Tensor:
+        # FP8 GEMMs, batch-invariant tiles (proven M buckets) in deterministic mode. One K-group spanning K
+        # (per-channel / per-tensor weights): the rowwise kernel, scales applied once after the K loop
+        # (kernels/fp8_rowwise.py); else the block-scaled kernel (kernels/fp8_block_plan.py). Either on
+        # rows the producing op may have quantized already.
+        from deepinfer.kernels import fp8_block_plan as bp
 
-            return fp8_rowwise_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
-                                                out_dtype=x.dtype, invariant=self.deterministic,
-                                                planner=self._fp8_planner)
+        if isinstance(x, QuantizedActivation):
+            check_quantized_input(x, weight_scale, group)
+            if x.group == 0:
+                from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear_quantized
+
+                return fp8_rowwise_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
+                                                    out_dtype=x.dtype, invariant=self.deterministic,
+                                                    planner=self._fp8_planner)
+            return bp.block_linear_quantized(x.values, x.scales, weight, weight_scale, bias,
+                                             out_dtype=x.dtype, group=group, invariant=self.deterministic,
+                                             planner=self._block_planner, scale_block_n=scale_block_n,
+                                             table=self._block_table)
         if group >= x.shape[1] and weight_scale.shape[1] == 1:
             from deepinfer.kernels.fp8_rowwise import fp8_rowwise_linear
 
             return fp8_rowwise_linear(x.contiguous(), weight, weight_scale, bias,
                                       invariant=self.deterministic, planner=self._fp8_planner)
-        from deepinfer.kernels.fp8_matmul import fp8_linear
-
-        return fp8_linear(x.contiguous(), weight, weight_scale, bias, group=group,
-                          invariant=self.deterministic)
+        return bp.block_linear(x.contiguous(), weight, weight_scale, bias, group=group,
+                               invariant=self.deterministic, planner=self._block_planner,
+                               scale_block_n=scale_block_n, table=self._block_table)
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
         from deepinfer.kernels.fp8_row_quant import quantize_rows
 
         return QuantizedActivation(*quantize_rows(x.contiguous()), x.dtype)
 
+    def quantize_groups(self, x: torch.Tensor, group: int) -> QuantizedActivation:
+        from deepinfer.kernels.fp8_matmul import quantize_act
+
+        return QuantizedActivation(*quantize_act(x.contiguous(), group), x.dtype, group)
+
     def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[QuantizedActivation, torch.Tensor]:
-        # One kernel: residual add, RMSNorm, row max of the rounded output, e4m3 cast; bitwise rms_norm
-        # then quantize_rows (kernels/fp8_fused_quant.py).
-        from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
+                           eps: float, group: int | None = None) -> tuple[QuantizedActivation, torch.Tensor]:
+        # One kernel: residual add, RMSNorm, the max of the rounded output per row (kernels/
+        # fp8_fused_quant.py) or per K-group (kernels/fp8_group_quant.py), e4m3 cast; bitwise rms_norm then
+        # quantize_rows / quantize_act.
+        if group is None:
+            from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
 
-        q, s, summed = rms_norm_quant(x, weight, eps, residual=residual)
-        return QuantizedActivation(q, s, x.dtype), (x if summed is None else summed)
+            q, s, summed = rms_norm_quant(x, weight, eps, residual=residual)
+        else:
+            from deepinfer.kernels.fp8_group_quant import rms_norm_group_quant
 
-    def silu_and_mul_quant(self, x: torch.Tensor) -> QuantizedActivation:
-        from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+            q, s, summed = rms_norm_group_quant(x, weight, eps, group, residual=residual)
+        return QuantizedActivation(q, s, x.dtype, group or 0), (x if summed is None else summed)
 
-        return QuantizedActivation(*silu_and_mul_quant(x), x.dtype)
+    def silu_and_mul_quant(self, x: torch.Tensor, group: int | None = None) -> QuantizedActivation:
+        if group is None:
+            from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+
+            return QuantizedActivation(*silu_and_mul_quant(x), x.dtype)
+        from deepinfer.kernels.fp8_group_quant import silu_and_mul_group_quant
+
+        return QuantizedActivation(*silu_and_mul_group_quant(x, group), x.dtype, group)
 
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
@@ -229,10 +259,13 @@ class CudaInvariantOps(_CudaOps):
         super().__init__()
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
         self._planner = self._matmul.MatmulPlanner()
+        from deepinfer.kernels.fp8_block_plan import BlockPlanner
         from deepinfer.kernels.fp8_rowwise import RowwisePlanner
 
-        # The same for the rowwise FP8 GEMM (BLOCK_K = 128 buckets), proven per weight shape likewise.
+        # The same for the FP8 GEMMs (BLOCK_K = 128 buckets), proven per weight shape likewise: the rowwise
+        # one against its single config, the block-scaled one against today's single config.
         self._fp8_planner = RowwisePlanner()
+        self._block_planner = BlockPlanner(self._block_table)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner)

@@ -28,15 +28,27 @@ class Linear(nn.Module):
     @property
     def takes_quantized_rows(self) -> bool:
         """Whether the op producing this layer's input should hand it a QuantizedActivation (rows already
-        quantized, one scale per row): an FP8 layer with one scale per output channel (the rowwise GEMM)
-        on a backend that fuses the activation quantization into the producing op."""
-        return (self.weight.dtype == torch.float8_e4m3fn and self.ops.fuses_fp8_row_quant
-                and self.fp8_scale.shape[1] == 1 and self.fp8_group >= self.weight.shape[1])
+        quantized as `quant_group` says): an FP8 layer on a backend that fuses the activation quantization
+        into the producing op."""
+        return self.weight.dtype == torch.float8_e4m3fn and self.ops.fuses_fp8_row_quant
+
+    @property
+    def quant_group(self) -> int | None:
+        """How an FP8 layer's input is quantized: None for one scale per row (one weight scale per output
+        channel: the rowwise GEMM), else per token and K-group of this many columns (block-scaled weights:
+        the layer's `fp8_group`). None for a layer that is not FP8."""
+        if self.weight.dtype != torch.float8_e4m3fn:
+            return None
+        if self.fp8_scale.shape[1] == 1 and self.fp8_group >= self.weight.shape[1]:
+            return None
+        return self.fp8_group
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x [M, in_features] (a QuantizedActivation only where `takes_quantized_rows`) -> [M, out]."""
         if self.weight.dtype == torch.float8_e4m3fn:  # FP8 layer: models/quant/fp8_loading.py converted it
-            return self.ops.fp8_linear(x, self.weight, self.fp8_scale, self.bias, self.fp8_group)
+            # `fp8_scale_block_n`: set at load where the row scales are equal per aligned 128-row block.
+            return self.ops.fp8_linear(x, self.weight, self.fp8_scale, self.bias, self.fp8_group,
+                                       scale_block_n=getattr(self, "fp8_scale_block_n", 0))
         if isinstance(x, QuantizedActivation):
             raise ValueError("Linear: a QuantizedActivation input needs an FP8 layer (takes_quantized_rows)")
         return self.ops.linear(x, self.weight, self.bias)

@@ -21,6 +21,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]."""
         h = self.gate_up_proj(x)
-        if self.down_proj.takes_quantized_rows:   # FP8 rowwise down_proj: SiLU-and-mul quantizes for it
-            return self.down_proj(self.ops.silu_and_mul_quant(h))
+        if self.down_proj.takes_quantized_rows:   # FP8 down_proj: SiLU-and-mul quantizes for it
+            return self.down_proj(self.ops.silu_and_mul_quant(h, self.down_proj.quant_group))
         return self.down_proj(self.ops.silu_and_mul(h))

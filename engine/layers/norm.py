@@ -21,10 +21,11 @@ class RMSNorm(nn.Module):
         shape = x.shape
         return self.ops.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, quantize: bool = False
-                         ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, quantize: bool = False,
+                         group: int | None = None) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm transformer's residual step. `quantize`: the
-        norm's output quantized per row for an FP8 rowwise linear (the consumer's `takes_quantized_rows`)."""
+        norm's output quantized for an FP8 linear (the consumer's `takes_quantized_rows`), per row or per
+        K-group of `group` (its `quant_group`)."""
         if quantize:
-            return self.ops.add_rms_norm_quant(x, residual, self.weight, self.eps)
+            return self.ops.add_rms_norm_quant(x, residual, self.weight, self.eps, group)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

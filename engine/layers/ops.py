@@ -24,13 +24,17 @@ from deepinfer.kernels.reference.v4_indexer import indexer_scores_ref
 
 @dataclass(frozen=True)
 class QuantizedActivation:
-    """Activation rows already quantized for an FP8 rowwise linear (one scale per row, the contract of
-    kernels/fp8_row_quant.py's `quantize_rows`): what RMSNorm or SiLU-and-mul hands over instead of its
-    output when the next linear is FP8 rowwise, so that linear skips its own quantization pass."""
+    """Activation rows already quantized for an FP8 linear: what RMSNorm or SiLU-and-mul hands over instead
+    of its output when the next linear is FP8, so that linear skips its own quantization pass.
+
+    `group` 0: one scale per row (kernels/fp8_row_quant.py's `quantize_rows`; the rowwise GEMM of per-channel
+    weights). `group` G > 0: one scale per token and K-group of G columns (kernels/fp8_matmul.py's
+    `quantize_act(x, G)`; the block-scaled GEMM, whose weight K-group must be the same G)."""
 
     values: torch.Tensor  # e4m3 [M, K]: rtne(x / scale) clamped to +-448, x the rows it stands for
-    scales: torch.Tensor  # float32 [M, 1] contiguous: max(max |x| of the row, 1e-10) / 448
+    scales: torch.Tensor  # float32 [M, 1] contiguous (group 0) or [M, ceil(K / group)]: max(amax, EPS) / 448
     dtype: torch.dtype    # dtype of the rows it stands for: the linear's output dtype
+    group: int = 0        # columns per scale; 0: the whole row
 
     @property
     def shape(self) -> torch.Size:
@@ -38,14 +42,28 @@ class QuantizedActivation:
         return self.values.shape
 
 
+def check_quantized_input(x: QuantizedActivation, weight_scale: torch.Tensor, group: int) -> None:
+    """ValueError unless quantized rows fit an FP8 layer: per-row rows need one weight scale per output
+    channel; per-group rows need the layer's K-group and its number of groups."""
+    if x.group == 0:
+        if weight_scale.shape[1] != 1:
+            raise ValueError(f"fp8_linear: rows quantized per row need one weight scale per output channel, "
+                             f"got weight_scale {tuple(weight_scale.shape)}")
+    elif x.group != group or x.scales.shape != (x.shape[0], weight_scale.shape[1]):
+        raise ValueError(f"fp8_linear: rows quantized per K-group of {x.group} (scales "
+                         f"{tuple(x.scales.shape)}) do not fit a layer with K-group {group} and weight_scale "
+                         f"{tuple(weight_scale.shape)}")
+
+
 class Ops:
     """Base class: shared op implementations; backends override what they compute differently."""
 
     name = "base"
     deterministic = False
-    # Whether the ops producing an FP8 rowwise linear's input (`add_rms_norm_quant`, `silu_and_mul_quant`)
-    # should quantize it (layers ask `Linear.takes_quantized_rows`). Off here: the linear quantizes its
-    # own input, with the same bits. CUDA backends fuse the quantization into the producing kernel.
+    # Whether the ops producing an FP8 linear's input (`add_rms_norm_quant`, `silu_and_mul_quant`) should
+    # quantize it, per row (rowwise linears) or per K-group (block-scaled ones); layers ask
+    # `Linear.takes_quantized_rows`. Off here: the linear quantizes its own input, with the same bits. CUDA
+    # backends fuse the quantization into the producing kernel.
     fuses_fp8_row_quant = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,17 +71,18 @@ class Ops:
         raise NotImplementedError
 
     def fp8_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
-                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+                   weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
+                   scale_block_n: int = 0) -> torch.Tensor:
         """x [M, K] @ dequant(e4m3 weight [N, K], row scales [N, K/group])^T (+ bias), x quantized per
-        token-group of `group` (or already, per row: a QuantizedActivation, for weights with one scale per
-        output channel). Shared version: the plain-torch reference (row-local, so batch-invariant); CUDA
-        backends run the Triton FP8 GEMM."""
+        token-group of `group` (or already: a QuantizedActivation, per row for weights with one scale per
+        output channel, per K-group of `group` for block-scaled ones). `scale_block_n` > 0: the row scales
+        are equal within aligned blocks of that many rows (a GEMM may read one per tile; same values).
+        Shared version: the plain-torch reference (row-local, so batch-invariant); CUDA backends run the
+        Triton FP8 GEMMs."""
         if isinstance(x, QuantizedActivation):
-            if weight_scale.shape[1] != 1:
-                raise ValueError(f"fp8_linear: rows quantized per row need one weight scale per output "
-                                 f"channel, got weight_scale {tuple(weight_scale.shape)}")
-            return fp8_linear_quantized_ref(x.values, x.scales, weight, weight_scale, bias, x.shape[1],
-                                            x.dtype)
+            check_quantized_input(x, weight_scale, group)
+            k = x.shape[1] if x.group == 0 else group
+            return fp8_linear_quantized_ref(x.values, x.scales, weight, weight_scale, bias, k, x.dtype)
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
@@ -71,17 +90,26 @@ class Ops:
         q, s = quantize_act_ref(x, max(x.shape[1], 1))
         return QuantizedActivation(q, s, x.dtype)
 
-    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[QuantizedActivation, torch.Tensor]:
-        """`add_rms_norm` with the normed rows quantized per row for an FP8 rowwise linear. Shared
-        version: the unfused composition; CUDA backends: one kernel, the same bits."""
-        out, summed = self.add_rms_norm(x, residual, weight, eps)
-        return self.quantize_rows(out), summed
+    def quantize_groups(self, x: torch.Tensor, group: int) -> QuantizedActivation:
+        """x [M, K] quantized with one scale per token and K-group (the block-scaled GEMM's format)."""
+        q, s = quantize_act_ref(x, group)
+        return QuantizedActivation(q, s, x.dtype, group)
 
-    def silu_and_mul_quant(self, x: torch.Tensor) -> QuantizedActivation:
-        """`silu_and_mul` with the result quantized per row for an FP8 rowwise linear. Shared version:
-        the unfused composition; CUDA backends: one kernel, the same bits."""
-        return self.quantize_rows(self.silu_and_mul(x))
+    def _quantize(self, x: torch.Tensor, group: int | None) -> QuantizedActivation:
+        return self.quantize_rows(x) if group is None else self.quantize_groups(x, group)
+
+    def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float, group: int | None = None) -> tuple[QuantizedActivation, torch.Tensor]:
+        """`add_rms_norm` with the normed rows quantized for an FP8 linear: per row (`group` None) or per
+        token and K-group of `group`. Shared version: the unfused composition; CUDA backends: one kernel,
+        the same bits."""
+        out, summed = self.add_rms_norm(x, residual, weight, eps)
+        return self._quantize(out, group), summed
+
+    def silu_and_mul_quant(self, x: torch.Tensor, group: int | None = None) -> QuantizedActivation:
+        """`silu_and_mul` with the result quantized for an FP8 linear (per row, or per K-group of
+        `group`). Shared version: the unfused composition; CUDA backends: one kernel, the same bits."""
+        return self._quantize(self.silu_and_mul(x), group)
 
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,

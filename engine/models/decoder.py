@@ -45,13 +45,15 @@ class DecoderLayer(PreNormDecoderLayer):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """PreNormDecoderLayer's step, where each norm hands an FP8 rowwise qkv_proj / gate_up_proj its
-        output already quantized (one kernel on CUDA, the same bits as quantizing in the linear)."""
-        h, residual = self.input_layernorm.forward_residual(x, residual,
-                                                            self.self_attn.qkv_proj.takes_quantized_rows)
+        """PreNormDecoderLayer's step, where each norm hands an FP8 qkv_proj / gate_up_proj its output
+        already quantized, per row or per K-group as the layer takes it (one kernel on CUDA, the same bits
+        as quantizing in the linear)."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        h, residual = self.input_layernorm.forward_residual(x, residual, qkv.takes_quantized_rows,
+                                                            qkv.quant_group)
         h = self.self_attn(h, rope, meta, kv_cache)
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual,
-                                                                     self.mlp.gate_up_proj.takes_quantized_rows)
+        h, residual = self.post_attention_layernorm.forward_residual(
+            h, residual, gate_up.takes_quantized_rows, gate_up.quant_group)
         return self.mlp(h), residual
 
 

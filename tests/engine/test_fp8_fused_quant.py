@@ -1,9 +1,11 @@
-"""The fused FP8 activation-quantization wiring on CPU: norms and SiLU-and-mul hand FP8 rowwise linears
-rows already quantized (`QuantizedActivation`) when the backend says so, with the same logits bit for bit.
+"""The fused FP8 activation-quantization wiring on CPU: norms and SiLU-and-mul hand FP8 linears rows already
+quantized (`QuantizedActivation`: per row for rowwise layers, per token and K-group for block-scaled ones)
+when the backend says so, with the same logits bit for bit.
 
-A tiny float32 Llama with quantization="fp8-channel" built as on CUDA (FP8 parameters, the shared `Ops`
-references); one backend quantizing in the linears (CPU's default: `fuses_fp8_row_quant` off), one whose
-norms / activation quantize for them (the flag on, counting the calls so the fused wiring is known to run).
+A tiny float32 Llama with quantization="fp8-channel" (rowwise) or "fp8" (block-scaled, 32 x 32 blocks so
+the tiny layers have several K-groups) built as on CUDA (FP8 parameters, the shared `Ops` references); one
+backend quantizing in the linears (CPU's default: `fuses_fp8_row_quant` off), one whose norms / activation
+quantize for them (the flag on, counting the calls so the fused wiring is known to run).
 """
 
 from __future__ import annotations
@@ -28,17 +30,17 @@ class _FusingOps(CpuInvariantOps):
         super().__init__()
         self.calls: Counter[str] = Counter()
 
-    def add_rms_norm_quant(self, x, residual, weight, eps):
-        self.calls["norm"] += 1
-        return super().add_rms_norm_quant(x, residual, weight, eps)
+    def add_rms_norm_quant(self, x, residual, weight, eps, group=None):
+        self.calls["norm" if group is None else "norm_groups"] += 1
+        return super().add_rms_norm_quant(x, residual, weight, eps, group)
 
-    def silu_and_mul_quant(self, x):
-        self.calls["act"] += 1
-        return super().silu_and_mul_quant(x)
+    def silu_and_mul_quant(self, x, group=None):
+        self.calls["act" if group is None else "act_groups"] += 1
+        return super().silu_and_mul_quant(x, group)
 
-    def fp8_linear(self, x, weight, weight_scale, bias, group):
+    def fp8_linear(self, x, weight, weight_scale, bias, group, scale_block_n=0):
         self.calls["quantized_in" if isinstance(x, QuantizedActivation) else "bf16_in"] += 1
-        return super().fp8_linear(x, weight, weight_scale, bias, group)
+        return super().fp8_linear(x, weight, weight_scale, bias, group, scale_block_n)
 
 
 def _fp8_model(path, ops, quantization: str = "fp8-channel"):
@@ -50,6 +52,8 @@ def _fp8_model(path, ops, quantization: str = "fp8-channel"):
 
     cfg = ModelConfig.from_dir(path)
     plan = replace(plan_quantization(quantization, None, "cpu"), fp8_compute=True)
+    if quantization == "fp8":
+        plan = replace(plan, load_block=(32, 32))
     model = build_model(cfg, ops, torch.float32, "cpu")
     load_with_plan(model, iter_weights(path, "cpu"), plan)
     return model, cfg
@@ -75,20 +79,27 @@ def llama(tiny_checkpoint):
     return tiny_checkpoint("llama")
 
 
-def test_fused_quantization_wiring_gives_the_same_logits(llama):
-    plain, cfg = _fp8_model(llama, CpuInvariantOps())
+@pytest.mark.parametrize("quantization", ["fp8-channel", "fp8"])
+def test_fused_quantization_wiring_gives_the_same_logits(llama, quantization):
+    plain, cfg = _fp8_model(llama, CpuInvariantOps(), quantization)
     fusing_ops = _FusingOps()
-    fused, _ = _fp8_model(llama, fusing_ops)
+    fused, _ = _fp8_model(llama, fusing_ops, quantization)
     layers = cfg.num_hidden_layers
     assert not any(m.takes_quantized_rows for n, m in plain.named_modules() if n.endswith("_proj"))
     want, got = _run(plain, cfg), _run(fused, cfg)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     steps = 4
-    # Per layer and step: both norms and the activation quantize; qkv, gate_up and down take their rows,
-    # o_proj (fed by attention) quantizes its own input.
-    assert fusing_ops.calls == Counter(norm=2 * layers * steps, act=layers * steps,
-                                       quantized_in=3 * layers * steps, bf16_in=layers * steps)
+    # Per layer and step: both norms and the activation quantize (per K-group for block-scaled layers);
+    # qkv, gate_up and down take their rows, o_proj (fed by attention) quantizes its own input.
+    suffix = "" if quantization == "fp8-channel" else "_groups"
+    assert fusing_ops.calls == Counter({f"norm{suffix}": 2 * layers * steps, f"act{suffix}": layers * steps,
+                                        "quantized_in": 3 * layers * steps, "bf16_in": layers * steps})
+    if quantization == "fp8":
+        # 32 x 32 blocks: the loader found the row scales equal per 128-row block only where it holds.
+        blocks = {n: m.fp8_scale_block_n for n, m in fused.named_modules() if n.endswith("_proj")}
+        assert set(blocks.values()) <= {0, 128} and all(m.quant_group == 32 for n, m in fused.named_modules()
+                                                        if n.endswith("_proj"))
 
 
 def _fp8_linear(ops, n: int, k: int, group: int):
@@ -103,20 +114,27 @@ def _fp8_linear(ops, n: int, k: int, group: int):
     return layer
 
 
-def test_only_rowwise_fp8_layers_take_quantized_rows(llama):
+def test_fp8_layers_take_rows_quantized_as_their_weights_are(llama):
     from deepinfer.engine.layers.linear import Linear
 
     ops = _FusingOps()
     rowwise, _ = _fp8_model(llama, ops)
-    assert all(m.takes_quantized_rows for n, m in rowwise.named_modules() if n.endswith("_proj"))
-    assert _fp8_linear(ops, 8, 64, 64).takes_quantized_rows
-    assert _fp8_linear(ops, 8, 64, 128).takes_quantized_rows       # one K-group wider than K: rowwise too
-    block = _fp8_linear(ops, 8, 64, 16)                              # K-groups: the linear quantizes itself
-    assert not block.takes_quantized_rows
+    assert all(m.takes_quantized_rows and m.quant_group is None
+               for n, m in rowwise.named_modules() if n.endswith("_proj"))
+    assert _fp8_linear(ops, 8, 64, 64).quant_group is None
+    assert _fp8_linear(ops, 8, 64, 128).quant_group is None        # one K-group wider than K: rowwise too
+    block = _fp8_linear(ops, 8, 64, 16)                              # K-groups: rows quantized per group
+    assert block.takes_quantized_rows and block.quant_group == 16
     assert not _fp8_linear(CpuInvariantOps(), 8, 64, 64).takes_quantized_rows
+    assert Linear(64, 4, False, ops, torch.float32).quant_group is None
     rows = QuantizedActivation(torch.ones(2, 64).to(torch.float8_e4m3fn), torch.ones(2, 1), torch.float32)
     assert torch.equal(_fp8_linear(ops, 8, 64, 64)(rows), torch.full((2, 8), 64.0))
+    ones = torch.ones(2, 64).to(torch.float8_e4m3fn)
+    groups = QuantizedActivation(ones, torch.ones(2, 4), torch.float32, 16)
+    assert torch.equal(block(groups), torch.full((2, 8), 64.0))
     with pytest.raises(ValueError, match="one weight scale per output channel"):
         block(rows)
+    with pytest.raises(ValueError, match="K-group of 16"):
+        _fp8_linear(ops, 8, 64, 32)(groups)                          # another K-group than the layer's
     with pytest.raises(ValueError, match="needs an FP8 layer"):
         Linear(64, 4, False, ops, torch.float32)(rows)

@@ -1,7 +1,8 @@
 """Fused FP8 activation quantization in the engine on a real GPU (`-m gpu`, sm89+): quantization="fp8-channel"
-models whose norms / SiLU-and-mul hand the rowwise linears quantized rows (kernels/fp8_fused_quant.py) give
-bit for bit the logits and greedy tokens of the same models quantizing inside the linears
-(DEEPINFER_DISABLE_FUSED_FP8_QUANT=1 / `fuses_fp8_row_quant` off)."""
+models whose norms / SiLU-and-mul hand the rowwise linears quantized rows (kernels/fp8_fused_quant.py), and
+quantization="fp8" (block-scaled) models whose producers quantize per token and 128-group
+(kernels/fp8_group_quant.py), give bit for bit the logits and greedy tokens of the same models quantizing
+inside the linears (DEEPINFER_DISABLE_FUSED_FP8_QUANT=1 / `fuses_fp8_row_quant` off)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16", "rope_theta": 500000.0}
 
 
-def _cuda_model(path, fused: bool, dummy: bool):
+def _cuda_model(path, fused: bool, dummy: bool, quantization: str = "fp8-channel"):
     from deepinfer.engine.layers.backends import make_ops
     from deepinfer.engine.models.config import ModelConfig
     from deepinfer.engine.models.loader import iter_weights
@@ -39,7 +40,7 @@ def _cuda_model(path, fused: bool, dummy: bool):
     cfg = ModelConfig.from_dir(path)
     ops = make_ops(CUDA, True)
     ops.fuses_fp8_row_quant = fused
-    plan = plan_quantization("fp8-channel", None, CUDA)
+    plan = plan_quantization(quantization, None, CUDA)
     model = build_model(cfg, ops, torch.bfloat16, torch.device(CUDA))
     with torch.no_grad():
         if dummy:
@@ -72,7 +73,8 @@ def _logits(model, cfg) -> list[torch.Tensor]:
 
 @needs_fp8
 @pytest.mark.parametrize("shape", ["tiny", "llama-8b-widths"])
-def test_fused_path_same_logits_as_unfused(shape, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("quantization", ["fp8-channel", "fp8"])
+def test_fused_path_same_logits_as_unfused(shape, quantization, tiny_checkpoint, tmp_path):
     if shape == "tiny":
         path, dummy = tiny_checkpoint("llama", dtype=torch.bfloat16), False
     else:
@@ -81,9 +83,11 @@ def test_fused_path_same_logits_as_unfused(shape, tiny_checkpoint, tmp_path):
         (path / "config.json").write_text(json.dumps(WIDE))
     runs = {}
     for fused in (True, False):
-        model, cfg = _cuda_model(path, fused, dummy)
+        model, cfg = _cuda_model(path, fused, dummy, quantization)
         projs = [m for n, m in model.named_modules() if n.endswith(("qkv_proj", "gate_up_proj", "down_proj"))]
         assert projs and all(m.takes_quantized_rows == fused for m in projs)
+        if quantization == "fp8" and shape != "tiny":      # 128-groups, one weight scale per 128-row block
+            assert all(m.quant_group == 128 and m.fp8_scale_block_n == 128 for m in projs)
         runs[fused] = _logits(model, cfg)
         del model
         gc.collect()
@@ -94,7 +98,8 @@ def test_fused_path_same_logits_as_unfused(shape, tiny_checkpoint, tmp_path):
 
 @needs_fp8
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_llm_fused_path_same_greedy_tokens_with_graphs(tmp_path, monkeypatch, deterministic):
+@pytest.mark.parametrize("quantization", ["fp8-channel", "fp8"])
+def test_llm_fused_path_same_greedy_tokens_with_graphs(tmp_path, monkeypatch, deterministic, quantization):
     """Through LLM (CUDA graphs, overlap): the fused and unfused engines give the same greedy tokens."""
     import sys
     from pathlib import Path
@@ -115,7 +120,7 @@ def test_llm_fused_path_same_greedy_tokens_with_graphs(tmp_path, monkeypatch, de
             monkeypatch.delenv(DISABLE_FUSED_FP8_QUANT_ENV, raising=False)
         else:
             monkeypatch.setenv(DISABLE_FUSED_FP8_QUANT_ENV, "1")
-        llm = LLM(model=str(d), load_format="dummy", quantization="fp8-channel", deterministic=deterministic,
+        llm = LLM(model=str(d), load_format="dummy", quantization=quantization, deterministic=deterministic,
                   max_model_len=1024, gpu_memory_utilization=0.3)
         downs = [m for n, m in llm.model.named_modules() if n.endswith("down_proj")]
         assert downs and all(m.takes_quantized_rows == fused for m in downs)

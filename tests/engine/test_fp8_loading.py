@@ -189,3 +189,26 @@ def test_fp8_layers_hold_the_checkpoint_weights(arch, scheme, ckpts):
     # What remains is the activations' e4m3 rounding (per token-group, ~2^-4 relative per layer input);
     # in the MoE model it can flip a token's expert choice, so the median position is what is bounded.
     assert torch.isfinite(got).all() and float(rel.median()) < 0.15
+
+
+def test_scale_blocks_are_marked_only_where_row_scales_agree_per_128_rows():
+    """`mark_scale_blocks` (run after every FP8 load): 128 where each aligned 128-row block of the row scales
+    is one value (128 x 128 blocks, a partial last block included), 0 where any block mixes values."""
+    from deepinfer.engine.layers.cpu_ops import CpuInvariantOps
+    from deepinfer.engine.layers.linear import Linear
+    from deepinfer.engine.models.quant.fp8_loading import mark_scale_blocks
+
+    def layer(n: int, block: tuple[int, int]) -> Linear:
+        lin = Linear(256, n, False, CpuInvariantOps(), torch.float32)
+        q, inv = quantize_fp8_block(torch.randn(n, 256), block)
+        lin.weight = torch.nn.Parameter(q, requires_grad=False)
+        lin.fp8_scale = torch.nn.Parameter(row_scales(inv, n, 256, 128, block), requires_grad=False)
+        lin.fp8_group = 128
+        return lin
+
+    dense = Linear(8, 8, False, CpuInvariantOps(), torch.float32)
+    model = torch.nn.ModuleDict({"whole": layer(384, (128, 128)), "ragged": layer(300, (128, 128)),
+                                 "fine": layer(256, (64, 128)), "dense": dense})
+    mark_scale_blocks(model)
+    assert model["whole"].fp8_scale_block_n == 128 and model["ragged"].fp8_scale_block_n == 128
+    assert model["fine"].fp8_scale_block_n == 0 and not hasattr(model["dense"], "fp8_scale_block_n")

@@ -1,6 +1,8 @@
 """The row quantizer and the fused RMSNorm / SiLU-and-mul -> FP8 kernels on a real GPU (`-m gpu`, sm89+),
 real bf16 at the Llama-3.1-8B widths: bitwise the unfused kernels (rmsnorm.rms_norm / activation.
-silu_and_mul, then quantize_rows) and `quantize_act_ref`, every launch path, and CUDA-graph capture."""
+silu_and_mul, then quantize_rows) and `quantize_act_ref`, every launch path, and CUDA-graph capture. The
+per-token-group forms (kernels/fp8_group_quant.py, `group=128`: the block-scaled GEMM's input) likewise
+against rms_norm / silu_and_mul then `quantize_act(., 128)`."""
 
 from __future__ import annotations
 
@@ -46,49 +48,79 @@ def test_quantize_rows_bitwise_reference(m, k, chunk):
     _same(quantize_rows(x, chunk=chunk), quantize_rows_ref(x))
 
 
+def _quantizers(group: int | None):
+    """(the kernel, the reference) quantizing an op's output: per row (group None) or per 128-group."""
+    from deepinfer.kernels.fp8_matmul import quantize_act
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+    from deepinfer.kernels.reference.fp8_matmul import quantize_act_ref
+
+    if group is None:
+        return quantize_rows, quantize_rows_ref
+    return (lambda y: quantize_act(y, group)), (lambda y: quantize_act_ref(y, group))
+
+
 @needs_fp8
 @pytest.mark.parametrize("h", [4096, 3584, 2048, 896, 128, 100, 5120, 8192])   # > 4096: the unfused path
 @pytest.mark.parametrize("m", [1, 37, 256, 2048])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rms_norm_quant_is_unfused_kernels_bitwise(h, m, with_residual):
+@pytest.mark.parametrize("group", [None, 128], ids=["rows", "groups"])
+def test_rms_norm_quant_is_unfused_kernels_bitwise(h, m, with_residual, group):
     from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
-    from deepinfer.kernels.fp8_row_quant import quantize_rows
+    from deepinfer.kernels.fp8_group_quant import rms_norm_group_quant
     from deepinfer.kernels.rmsnorm import rms_norm
 
     x = _rows(m, h, seed=h + m, scale=4.0)
     r = _rows(m, h, seed=h + m + 1).flip(0).contiguous() if with_residual else None
     gen = torch.Generator(device=CUDA).manual_seed(h)
     w = (1 + 0.3 * torch.randn(h, device=CUDA, generator=gen)).to(torch.bfloat16)
-    q, s, res = rms_norm_quant(x, w, 1e-5, residual=r)
+    if group is None:
+        q, s, res = rms_norm_quant(x, w, 1e-5, residual=r)
+    else:
+        q, s, res = rms_norm_group_quant(x, w, 1e-5, group, residual=r)
     if with_residual:
         out, summed = rms_norm(x, w, 1e-5, residual=r)
         assert torch.equal(res, summed)
     else:
         out = rms_norm(x, w, 1e-5)
-    _same((q, s), quantize_rows(out))
-    _same((q, s), quantize_rows_ref(out))
+    quantize, reference = _quantizers(group)
+    _same((q, s), quantize(out))
+    _same((q, s), reference(out))
 
 
 @needs_fp8
 @pytest.mark.parametrize("i,chunk", [(14336, None), (4864, None), (18944, None), (40000, None),
                                      (14336, 4096), (1408, None), (100, None)])
-@pytest.mark.parametrize("m", [1, 64, 256, 2048])
-def test_silu_and_mul_quant_is_unfused_kernels_bitwise(i, chunk, m):
+@pytest.mark.parametrize("m", [1, 7, 64, 256, 2048])
+@pytest.mark.parametrize("group", [None, 128], ids=["rows", "groups"])
+def test_silu_and_mul_quant_is_unfused_kernels_bitwise(i, chunk, m, group):
     from deepinfer.kernels.activation import silu_and_mul
     from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
-    from deepinfer.kernels.fp8_row_quant import quantize_rows
+    from deepinfer.kernels.fp8_group_quant import silu_and_mul_group_quant
 
+    if group is not None and chunk is not None:
+        pytest.skip("the group kernel has one launch path (no chunked form)")
     x = _rows(m, 2 * i, seed=i + m, scale=3.0)
-    got = silu_and_mul_quant(x, chunk=chunk)
+    got = silu_and_mul_quant(x, chunk=chunk) if group is None else silu_and_mul_group_quant(x, group)
     unfused = silu_and_mul(x)
-    _same(got, quantize_rows(unfused))
-    _same(got, quantize_rows_ref(unfused))
+    quantize, reference = _quantizers(group)
+    _same(got, quantize(unfused))
+    _same(got, reference(unfused))
 
 
 @needs_fp8
-def test_fused_kernels_rows_invariant_and_capture():
-    from deepinfer.kernels.fp8_fused_quant import rms_norm_quant, silu_and_mul_quant
+@pytest.mark.parametrize("group", [None, 128], ids=["rows", "groups"])
+def test_fused_kernels_rows_invariant_and_capture(group):
+    from deepinfer.kernels import fp8_fused_quant, fp8_group_quant
 
+    if group is None:
+        rms_norm_quant = fp8_fused_quant.rms_norm_quant
+        silu_and_mul_quant = fp8_fused_quant.silu_and_mul_quant
+    else:
+        def rms_norm_quant(x, w, eps, residual):
+            return fp8_group_quant.rms_norm_group_quant(x, w, eps, group, residual=residual)
+
+        def silu_and_mul_quant(g):
+            return fp8_group_quant.silu_and_mul_group_quant(g, group)
     x, r = _rows(512, 4096, seed=1), _rows(512, 4096, seed=2)
     w = torch.rand(4096, device=CUDA).to(torch.bfloat16) + 0.5
     g = _rows(512, 2 * 14336, seed=3)
@@ -148,3 +180,24 @@ def test_column_split_path_is_the_one_program_path_bitwise(m, width):
     torch.cuda.synchronize()
     _same(cap_q, want_q)
     _same(cap_a, want_a)
+
+
+@needs_fp8
+@pytest.mark.parametrize("invariant", [True, False])
+def test_block_linear_on_fused_group_rows_is_the_quantizing_linear(invariant):
+    """kernels/fp8_block_plan.py: the block GEMM on the fused SiLU-and-mul's group rows gives the bits of
+    the linear quantizing silu_and_mul's output itself (down_proj at the 8B shape, block-scaled weight)."""
+    from deepinfer.engine.models.quant.fp8_tensor import quantize_fp8_block, row_scales
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.fp8_block_plan import BlockPlanner, block_linear, block_linear_quantized
+    from deepinfer.kernels.fp8_group_quant import silu_and_mul_group_quant
+
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    q, inv = quantize_fp8_block(torch.randn(4096, 14336, device=CUDA, generator=gen) * 0.02, (128, 128))
+    ws = row_scales(inv, 4096, 14336, 128, (128, 128))
+    g = _rows(256, 2 * 14336, seed=5)
+    planner = BlockPlanner() if invariant else None
+    fused = block_linear_quantized(*silu_and_mul_group_quant(g), q, ws, out_dtype=torch.bfloat16,
+                                   invariant=invariant, planner=planner, scale_block_n=128)
+    assert torch.equal(fused, block_linear(silu_and_mul(g), q, ws, invariant=invariant, planner=planner,
+                                           scale_block_n=128))

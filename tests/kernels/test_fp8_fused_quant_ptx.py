@@ -1,5 +1,6 @@
-"""The fused RMSNorm -> FP8 kernel computes rstd exactly as kernels/rmsnorm.py does, checked on the CPU in the
-sm_90 PTX Triton compiles for both (no GPU needed): the expression tree of the `rsqrt` operand, each PTX
+"""The fused RMSNorm -> FP8 kernels (per row: kernels/fp8_fused_quant.py; per K-group:
+kernels/fp8_group_quant.py) compute rstd exactly as kernels/rmsnorm.py does, checked on the CPU in the
+sm_90 PTX Triton compiles for each (no GPU needed): the expression tree of the `rsqrt` operand, each PTX
 register replaced by the instruction that defines it, is the same in both kernels (same layout, same
 order of the sum, the same products and no FMA contraction), for several H, with and without residual.
 tests/kernels/test_fp8_fused_quant_gpu.py checks the resulting bits on the device."""
@@ -102,7 +103,7 @@ def _rsqrt_operand(ptx: str) -> str:
         else:
             dst, *srcs = [a.strip() for a in rest.split(",")]
             val = f"{op}({','.join(env.get(s, s) for s in srcs)})"
-            env[dst] = re.sub(r"_rms_norm(_quant)?_kernel_param_\d+", "P", val)
+            env[dst] = re.sub(r"_rms_norm(_quant|_group_quant)?_kernel_param_\d+", "P", val)
             if op.startswith("rsqrt"):
                 return _simplify(env[dst])
     raise AssertionError("no rsqrt in the PTX")
@@ -110,27 +111,34 @@ def _rsqrt_operand(ptx: str) -> str:
 
 @pytest.mark.parametrize("h", [4096, 3584, 896, 100])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual):
+@pytest.mark.parametrize("form", ["rows", "groups"])
+def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, form):
     import torch
-    from deepinfer.kernels import fp8_fused_quant, rmsnorm
+    from deepinfer.kernels import fp8_fused_quant, fp8_group_quant, rmsnorm
 
     x, w = torch.zeros(2, h, dtype=torch.bfloat16), torch.ones(h, dtype=torch.bfloat16)
     r = torch.zeros_like(x) if with_residual else None
     plain_launch = _launch(monkeypatch, rmsnorm._rms_norm_kernel, lambda: rmsnorm.rms_norm(x, w, 1e-5, r))
-    fused_launch = _launch(monkeypatch, fp8_fused_quant._rms_norm_quant_kernel,
-                           lambda: fp8_fused_quant.rms_norm_quant(x, w, 1e-5, r))
-    assert plain_launch["num_warps"] == fused_launch["num_warps"]
     r_stride = h if with_residual else 0
+    head = [("x_ptr", "*bf16", None), ("r_ptr", "*bf16", None), ("w_ptr", "*bf16", None),
+            ("q_ptr", "*fp8e4nv", None), ("s_ptr", "*fp32", None), ("res_out_ptr", "*bf16", None),
+            ("H", "i32", h), ("eps", "fp32", None), ("stride_x", "i32", h), ("stride_r", "i32", r_stride),
+            ("stride_q", "i32", h)]
+    if form == "rows":
+        kernel, args = fp8_fused_quant._rms_norm_quant_kernel, [*head, ("stride_res_out", "i32", r_stride)]
+        fused_launch = _launch(monkeypatch, kernel, lambda: fp8_fused_quant.rms_norm_quant(x, w, 1e-5, r))
+    else:   # the group form also stores [M, H / 128] scales
+        kernel = fp8_group_quant._rms_norm_group_quant_kernel
+        args = [*head, ("stride_s", "i32", -(-h // 128)), ("stride_res_out", "i32", r_stride)]
+        fused_launch = _launch(monkeypatch, kernel,
+                               lambda: fp8_group_quant.rms_norm_group_quant(x, w, 1e-5, 128, r))
+    assert plain_launch["num_warps"] == fused_launch["num_warps"]
     plain = _compile_ptx(rmsnorm._rms_norm_kernel, [
         ("x_ptr", "*bf16", None), ("r_ptr", "*bf16", None), ("w_ptr", "*bf16", None),
         ("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None), ("H", "i32", h), ("eps", "fp32", None),
         ("stride_x", "i32", h), ("stride_r", "i32", r_stride), ("stride_out", "i32", h),
         ("stride_res_out", "i32", h)], plain_launch)
-    fused = _compile_ptx(fp8_fused_quant._rms_norm_quant_kernel, [
-        ("x_ptr", "*bf16", None), ("r_ptr", "*bf16", None), ("w_ptr", "*bf16", None),
-        ("q_ptr", "*fp8e4nv", None), ("s_ptr", "*fp32", None), ("res_out_ptr", "*bf16", None),
-        ("H", "i32", h), ("eps", "fp32", None), ("stride_x", "i32", h), ("stride_r", "i32", r_stride),
-        ("stride_q", "i32", h), ("stride_res_out", "i32", r_stride)], fused_launch)
+    fused = _compile_ptx(kernel, args, fused_launch)
     a, b = _rsqrt_operand(plain), _rsqrt_operand(fused)
     assert a.count("mul") >= min(h, 128) // 32   # the squares are in the tree
     same = a == b   # compared outside the assert: pytest's diff of two huge strings would take minutes

@@ -164,6 +164,30 @@ def load_with_plan(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         return
     fp8_modules, experts = _prepare(model, plan)
     model.load_weights(fp8_weight_stream(weights, plan, fp8_modules, experts))
+    mark_scale_blocks(model)
+
+
+# Rows per weight-scale block for which an FP8 GEMM may read one scale per tile (kernels/fp8_block_tma.py).
+SCALE_BLOCK_ROWS = 128
+
+
+@torch.no_grad()
+def mark_scale_blocks(model: nn.Module) -> None:
+    """Set `fp8_scale_block_n` on every FP8 linear: SCALE_BLOCK_ROWS where its row scales are equal within
+    every aligned block of that many rows (128 x 128 block checkpoints and block quantize-at-load give that,
+    merged q/k/v and gate/up too where each part starts on a block boundary), else 0 (the GEMM reads one
+    scale per output row). Decided once on the loaded values: the GEMM relies on it without checking."""
+    rows = SCALE_BLOCK_ROWS
+    for module in model.modules():
+        if not isinstance(module, Linear) or module.weight.dtype != FP8_DTYPE:
+            continue
+        scale = module.fp8_scale
+        n = scale.shape[0]
+        blocks = -(-n // rows)
+        # A partial last block: its rows padded with its last one, so it passes only if its rows agree.
+        padded = torch.cat([scale, scale[-1:].expand(blocks * rows - n, -1)]) if n % rows else scale
+        grouped = padded.reshape(blocks, rows, -1)
+        module.fp8_scale_block_n = rows if n and bool((grouped == grouped[:, :1]).all()) else 0
 
 
 def _prepare(model: nn.Module, plan: QuantPlan) -> tuple[set[str], dict[str, nn.Module]]:
@@ -205,3 +229,4 @@ def init_dummy_with_plan(model: nn.Module, plan: QuantPlan, seed: int = 0) -> No
             q, scale, block = quantize_for_load(weight, plan)
             getattr(target[0], target[1]).copy_(q)
             write_expert_scales(target, q, scale, block)
+    mark_scale_blocks(model)
