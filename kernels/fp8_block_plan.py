@@ -74,13 +74,16 @@ def config_name(cfg: dict[str, int]) -> str:
 REFERENCE = "64x128x128 w4 s3"
 
 # (max_m, config name) by ascending M per weight-shape class (`shape_class`), the last bucket open-ended.
-# NOT YET MEASURED (2026-12-02): a first guess from the rowwise table's tile shapes (decode: narrow tiles
-# for more programs; prefill: the 64 x 128 tile the pointer sweep found best, with TMA loads and one weight
-# scale per tile). Replace with the table the block sweep prints.
+# From the block sweep on the H200 (2026-12-02, benchmarks/RESULTS.md: `bench_fp8.py --skip-gemm
+# --skip-e2e --sweep --sweep-kernels block --sweep-budget-s 170`): per class and M bucket the fastest
+# candidate over the class's 8B shapes, every candidate bitwise equal to REFERENCE at every M swept.
 BLOCK_BUCKET_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {
-    "wide": ((64, "64x64x128 w4 s4 tma"), (256, "64x128x128 w4 s4 tma"), (None, "64x128x128 w4 s3 tma")),
-    "long_k": ((256, "64x64x128 w4 s6 tma"), (None, "64x128x128 w4 s3 tma")),
-    "default": ((64, "64x64x128 w4 s4 tma"), (None, "64x128x128 w4 s3 tma")),
+    "default": ((1, "64x128x128 w4 s3 tma pers2"), (16, "64x64x128 w4 s4 tma"), (64, "64x32x128 w4 s6 tma"),
+                (128, "64x64x128 w4 s4 tma"), (256, "64x128x128 w4 s3 tma"), (None, "64x128x128 w4 s4 tma")),
+    "wide": ((256, "64x128x128 w4 s4 tma"), (None, "128x128x128 w8 s4 tma")),
+    "long_k": ((16, "64x64x128 w4 s6 tma"), (64, "64x32x128 w4 s6 tma"), (128, "64x64x128 w4 s6 tma"),
+               (256, "64x128x128 w4 s4 tma"), (2048, "128x128x128 w8 s4 tma"),
+               (None, "64x128x128 w4 s3 tma pers2")),
 }
 
 # What the sweep times (each at every M, bits checked against REFERENCE): decode-sized narrow tiles, the
