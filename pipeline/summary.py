@@ -48,9 +48,6 @@ ENGINE_MARKS = (("engine_process_started_s", "process"), ("engine_actor_started_
                 ("engine_imported_s", "imported"), ("engine_allocated_s", "allocated"),
                 ("engine_weights_loaded_s", "weights_loaded"), ("engine_kv_allocated_s", "kv_allocated"),
                 ("model_loaded_s", "built"), ("engine_ready_s", "ready"))
-# The local executor's engine preload marks (executors/engine_preload.EnginePreload.marks), in its order:
-# the summary reports each as engine_preload_<name>_s.
-PRELOAD_MARKS = ("started", "native", "cuda", "imported", "triton")
 
 
 @dataclass
@@ -101,7 +98,7 @@ class StartupClock:
         for key in ("model_checked", "output_opened", "executor_requested", "executor_started",
                     "first_result", "last_result", "results_closed"):
             out[f"{key}_s"] = since(self.driver.get(key))
-        for name in PRELOAD_MARKS:
+        for name in ("started", "native", "cuda", "triton"):
             out[f"engine_preload_{name}_s"] = since(self.preload.get(name))
         for key, name in ENGINE_MARKS:
             out[key] = since(earliest(name))
@@ -356,9 +353,9 @@ def format_summary(s: dict) -> str:
                      f"engines waited {up['engine_wait_s']:.1f}s for parts, "
                      f"committed {up['engine_commit_s']:.1f}s")
     if up.get("engine_preload_started_s") is not None:  # the local executor's (executors/engine_preload.py)
-        marks = [_secs(up.get(f"engine_preload_{k}_s")) for k in PRELOAD_MARKS]
-        lines.append(f"  preload   from {marks[0]}: libraries {marks[1]}, CUDA {marks[2]}, engine modules "
-                     f"{marks[3]}, Triton {marks[4]}; engine imported {_secs(up.get('engine_imported_s'))}")
+        marks = [_secs(up.get(f"engine_preload_{k}_s")) for k in ("started", "native", "cuda", "triton")]
+        lines.append(f"  preload   from {marks[0]}: libraries {marks[1]}, CUDA {marks[2]}, Triton "
+                     f"{marks[3]}; engine imported {_secs(up.get('engine_imported_s'))}")
     for stage, codes in err["by_stage"].items():
         lines.append(f"    {stage}: " + ", ".join(f"{c} x{n}" for c, n in codes.items()))
     for e in s["engines"]:

@@ -1,8 +1,6 @@
-"""Loading the engine (torch's libraries, CUDA's context, the engine's modules, Triton) beside the driver's
-work.
+"""Loading the engine's native parts (torch's libraries, CUDA's context, Triton) beside the driver's work.
 
-On by default; `DEEPINFER_ENGINE_PRELOAD=0` turns it off (PRELOAD_ENV; benchmarks/startup_probe.py
-preload compares the three orders on a GPU host, RESULTS.md records them).
+Opt-in (`DEEPINFER_ENGINE_PRELOAD=1`, see PRELOAD_ENV): its gain on a GPU host is not measured yet.
 
 On the in-process executor the engine is built on the driver's thread once the input is planned and the
 output opened: `import deepinfer.engine.llm` (torch and the CUDA libraries: 3-4 s on a GPU host), then
@@ -20,21 +18,15 @@ own modules (cli/main.py; run_job for in-process callers), without the GIL:
    is the driver's Python (model checks, input listing and planning, the output store);
 2. for a CUDA model, the device's primary context is created through the driver API (cuInit,
    cuDevicePrimaryCtxRetain; ctypes calls, again without the GIL): the context torch's runtime then uses;
-3. the engine's modules (`import deepinfer.engine.llm`: torch's Python side, seconds) on the same thread,
-   beside the driver's own imports (pyarrow, fsspec, the runner) and its planning. Both are Python under
-   the GIL, yet interleaved they end sooner than one after the other (startup_probe.py imports: 4.0 s
-   against 5.2-5.5 s on the H200 host): much of each import waits on files, the loader and page faults,
-   and the other thread runs meanwhile. The driver's thread, once it needs the engine, imports it too and
-   waits on the module's import lock until this thread's import is done (no import cycle spans the two
-   threads' modules: the driver never imports torch, tests/layout forbids cycles in ours);
-4. once the driver's thread has imported the engine (`engine_imported()`, called by the local executor as
+3. once the driver's thread has imported the engine (`engine_imported()`, called by the local executor as
    the model build starts), for a CUDA model Triton: libtriton opened as above, then `import triton`,
    Python work that would otherwise fall in the first step, here beside the weights being streamed
    (reader threads, mostly without the GIL).
 
-Nothing changes what runs, only when: the same libraries are loaded (RTLD_LOCAL: torch's import then
-makes libtorch_global_deps global itself, as it always does), the same context created, the same modules
-imported. Nothing is raised here: a step that fails is recorded in
+The Python side of torch's import stays on the driver's thread, after its own work, as before: running it
+here too would only interleave two GIL-bound threads. Nothing changes what runs, only when: the same
+libraries are loaded (RTLD_LOCAL: torch's import then makes libtorch_global_deps global itself, as it
+always does), the same context created. Nothing is raised here: a step that fails is recorded in
 `error` and the rest skipped; the engine's own import or LLM() then fails on the driver's thread as it
 did without a preload, with its exit code. Marks (epochs) go to the run summary's startup
 (engine_preload_*_s).
@@ -51,17 +43,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Set to 0 to build the engine without a preload (A/B: benchmarks/startup_probe.py preload, and
-# benchmarks/bench_pipeline.py --arms local with DEEPINFER_ENGINE_PRELOAD=0 / unset).
+# Set to 1 to run the preload. Off by default: on the H200 (2026-12-02) the one end-to-end run with it on
+# was cut by its time limit before it ended, so neither its gain nor the absence of a stall is shown yet
+# (A/B: benchmarks/bench_pipeline.py --arms local, with and without DEEPINFER_ENGINE_PRELOAD=1).
 PRELOAD_ENV = "DEEPINFER_ENGINE_PRELOAD"
-# The module whose import brings the engine in (torch included): what the local executor imports first.
-ENGINE_MODULE = "deepinfer.engine.llm"
 
 
 def preload_enabled(env: dict[str, str] | None = None) -> bool:
-    """False when $DEEPINFER_ENGINE_PRELOAD is 0/false/no/off; True otherwise (unset: on)."""
-    value = (os.environ if env is None else env).get(PRELOAD_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    """True when $DEEPINFER_ENGINE_PRELOAD is 1/true/yes/on (unset: off)."""
+    value = (os.environ if env is None else env).get(PRELOAD_ENV, "0").strip().lower()
+    return value in ("1", "true", "yes", "on")
 
 
 def cuda_ordinal(device: str) -> int | None:
@@ -134,10 +125,6 @@ def retain_primary_context(ordinal: int) -> bool:
             and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0)
 
 
-def _import_engine() -> None:
-    importlib.import_module(ENGINE_MODULE)
-
-
 def _import_triton() -> None:
     # libtriton (LLVM and MLIR: hundreds of MB) only now: its load holds libc's loader lock, which an
     # extension import on the driver's thread (torch's own) would otherwise wait for
@@ -147,24 +134,22 @@ def _import_triton() -> None:
 
 
 class EnginePreload:
-    """Load the engine on a daemon thread started by the constructor (module docstring): `native()` (the
-    libraries), then `start_cuda(ordinal)` when `ordinal` is not None, then `import_engine()` (the
-    engine's modules); `engine_imported()` adds `triton()` on a second thread, after the first and only
-    when a context is up. The callables default to the real steps (tests pass their own).
+    """Load the engine's native parts on a daemon thread started by the constructor (module docstring):
+    `native()` (the libraries), then `start_cuda(ordinal)` when `ordinal` is not None; `engine_imported()`
+    adds `triton()` on a second thread, after the first and only when a context is up. The callables
+    default to the real steps (tests pass their own).
 
-    `marks` (epochs): "started", "native" (libraries opened), "cuda" (a context is up), "imported" (the
-    engine's modules), "triton"; a step that did not happen has no mark. `error` holds what failed (what
-    needed it raises it again itself). `join()` waits for the threads started so far.
+    `marks` (epochs): "started", "native" (libraries opened), "cuda" (a context is up), "triton"; a step
+    that did not happen has no mark. `error` holds what failed (what needed it raises it again itself).
+    `join()` waits for the threads started so far.
     """
 
     def __init__(self, ordinal: int | None, native: Callable[[], object] | None = None,
                  start_cuda: Callable[[int], bool] | None = None,
-                 triton: Callable[[], None] | None = None,
-                 import_engine: Callable[[], None] | None = None) -> None:
+                 triton: Callable[[], None] | None = None) -> None:
         self.ordinal = ordinal
         self._native = native or (lambda: dlopen_without_gil(torch_libraries()))
         self._start_cuda = start_cuda or retain_primary_context
-        self._import_engine = import_engine or _import_engine
         self._triton = triton or _import_triton
         self.marks: dict[str, float] = {"started": time.time()}
         self.error: BaseException | None = None
@@ -188,8 +173,6 @@ class EnginePreload:
             self.marks["native"] = time.time()
             if self.ordinal is not None and self._start_cuda(self.ordinal):
                 self.marks["cuda"] = time.time()
-            self._import_engine()
-            self.marks["imported"] = time.time()
         except BaseException as exc:  # noqa: BLE001 - raised again by the engine's own import / LLM()
             self.error = exc
 
@@ -217,8 +200,8 @@ def start_engine_preload(device: str) -> EnginePreload:
 def load_driver_extensions() -> None:
     """Import the extension modules the driver's own work loads later anyway — the tokenizer's
     (`tokenizers`, model checks) and pandas (pyarrow imports it, when installed, on its first array built
-    from a Python list) — now, beside the preload's imports, rather than in the middle of the driver's
-    planning, where a wait for libc's loader lock (held by the preload's dlopen) would stall it."""
+    from a Python list) — before a preload starts: its dlopen holds libc's loader lock, which their
+    imports would otherwise wait for, holding the GIL, in the middle of the driver's work."""
     import pyarrow as pa
     from deepinfer.engine.text import tokenizer  # noqa: F401 - `tokenizers`
 
@@ -233,19 +216,17 @@ def _wanted(spec: Any, executor_replaced: bool) -> bool:
 def preload_for(spec: Any, given: EnginePreload | None, executor_replaced: bool) -> EnginePreload | None:
     """The preload of a run of `spec` (a JobSpec whose runtime.executor is decided): `given` when the
     caller started it (cli/main.py), else one started now; None on Ray, for a stub engine, for a run whose
-    executor a caller replaced (a sweep's points share one engine), or with $DEEPINFER_ENGINE_PRELOAD=0."""
+    executor a caller replaced (a sweep's points share one engine), or without $DEEPINFER_ENGINE_PRELOAD=1."""
     if not _wanted(spec, executor_replaced):
         return None
     return given or start_engine_preload(spec.model.device)
 
 
 def start_for_submit(spec: Any) -> EnginePreload | None:
-    """The CLI's preload for `spec` (executor decided), started before the run's clock and before the
-    driver's own imports, which then run beside the engine's (load_driver_extensions: the extension
-    modules the driver's work loads anyway, so none of them falls in its planning); None as
+    """The CLI's preload for `spec` (executor decided), started before the run's clock, once the
+    extension modules the driver's work loads anyway are in (load_driver_extensions); None as
     preload_for."""
     if not _wanted(spec, False):
         return None
-    preload = start_engine_preload(spec.model.device)
     load_driver_extensions()
-    return preload
+    return start_engine_preload(spec.model.device)
