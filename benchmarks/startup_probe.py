@@ -2,14 +2,16 @@
 
     python benchmarks/startup_probe.py imports --reps 2      # the CLI's imports: in order vs overlapped
     python benchmarks/startup_probe.py engine --shape llama-3.1-8b --rows 256 --output-len 16
-    python benchmarks/startup_probe.py preload --reps 3       # engine import + CUDA, with/without preload
+    python benchmarks/startup_probe.py preload --reps 4       # engine import + CUDA, three preload orders
 
 `imports`: in fresh interpreters, the submit path's driver imports (runner, spec loading: pyarrow, fsspec,
 yaml) and the engine's (`deepinfer.engine.llm`: torch) one after the other, then with the engine's
 imports started on a thread first (what cli.main does for `submit`): wall seconds of each, alternating.
 
 `preload`: in fresh interpreters, the CLI's path from the driver's extension imports to an imported engine
-and a CUDA context, plain and with executors/engine_preload.py's EnginePreload started (alternating).
+and a CUDA context: plain, with executors/engine_preload.py's EnginePreload (libraries and CUDA) started
+after the driver's extensions as the CLI does when asked, and with the engine's modules also imported on
+a thread before the driver's imports; alternating, with each mode's median.
 
 `engine`: one fresh interpreter builds the --shape engine with random (dummy) weights, captures graphs
 lazily (as the pipeline's engines do) and generates twice over the same prompts; the first generate's
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,11 +60,17 @@ print(f"{{t1 - t0:.3f}} {{done['engine'] - t0:.3f}} {{t2 - t0:.3f}}")
 
 
 _PRELOAD = """
-import os, sys, time; t0 = time.perf_counter()
+import os, sys, threading, time; t0 = time.perf_counter()
 from deepinfer.pipeline.executors import engine_preload as ep
-ep.load_driver_extensions()
 mode = sys.argv[1]
-preload = ep.EnginePreload(0 if "cuda" in mode else None) if mode.startswith("preload") else None
+preload = None
+if mode == "preload-import":   # the variant measured slower (RESULTS.md): engine modules on a thread first
+    preload = ep.EnginePreload(0)
+    importer = threading.Thread(target=lambda: __import__("deepinfer.engine.llm"), daemon=True)
+    importer.start()
+ep.load_driver_extensions()
+if mode == "preload-native":   # the CLI's order (opt-in): extensions, then libraries + CUDA on a thread
+    preload = ep.EnginePreload(0)
 t1 = time.perf_counter()
 import deepinfer.pipeline.runner, deepinfer.pipeline.executors.local  # the driver's remaining imports
 t2 = time.perf_counter()
@@ -75,17 +84,28 @@ t4 = time.perf_counter()
 if preload is not None:
     preload.join()
 t5 = time.perf_counter()
-print(f"{sys.argv[1]}: extensions {t1 - t0:.2f}, driver imports {t2 - t1:.2f}, engine import {t3 - t2:.2f}, "
+print(f"{mode:14s}: extensions {t1 - t0:.2f}, driver imports {t2 - t1:.2f}, engine import {t3 - t2:.2f}, "
       f"cuda {t4 - t3:.2f}, to cuda ready {t4 - t0:.2f} s, preload joined {t5 - t0:.2f} s", flush=True)
 """
 
+PRELOAD_MODES = ("plain", "preload-native", "preload-import")
+
 
 def probe_preload(reps: int) -> None:
-    """The CLI's path to an imported engine and a CUDA context, with and without the engine preload."""
+    """The CLI's path to an imported engine and a CUDA context: no preload, the CLI's opt-in preload
+    (libraries and CUDA on a thread after the driver's extensions), and that preload plus the engine's
+    modules imported on a thread before the driver's own imports; alternating, then each mode's median
+    time to a ready CUDA context."""
+    ready: dict[str, list[float]] = {m: [] for m in PRELOAD_MODES}
     for _ in range(reps):
-        for mode in ("plain", "preload-cuda"):
+        for mode in PRELOAD_MODES:
             out = subprocess.run([sys.executable, "-c", _PRELOAD, mode], capture_output=True, text=True)
-            print(out.stdout.strip() or out.stderr[-800:], flush=True)
+            line = out.stdout.strip()
+            print(line or out.stderr[-800:], flush=True)
+            if "to cuda ready" in line:
+                ready[mode].append(float(line.split("to cuda ready ")[1].split(" s")[0]))
+    medians = [f"{m} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for m, v in ready.items() if v]
+    print("median s to a ready CUDA context: " + ", ".join(medians), flush=True)
 
 
 def probe_imports(reps: int) -> None:
