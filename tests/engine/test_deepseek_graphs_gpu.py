@@ -2,14 +2,14 @@
 
 Tiny random checkpoints (tests/support/tiny_deepseek.py) with room for 2048 positions: V3 (q LoRA, MoE with
 sigmoid noaux_tc routing, YaRN) and V2 (no q LoRA, softmax group-limited routing), bf16 and FP8
-(quantization="fp8": FP8 linears and FP8 routed experts). Prompts of ~30 to ~1750 tokens put decode rows
-at 1 to 4 MLA KV splits (bf16 tiles of 32 positions: two splits from position 512, four from 1536), batch
-sizes 1, 3, 8 and 17 run in buckets 1, 4, 8 and 32 (padding rows), and requests of several lengths finish
-at different steps, so batches shrink through smaller buckets. Greedy and seeded sampling with logprobs:
-token ids and logprobs equal the eager engine's (`enable_cuda_graphs=False`, synchronous loop), and
-get_stats shows graph steps with padding. MTP drafting that turns itself off mid-run hands its requests to
-the graph steps without a changed bit. Fast mode captures and replays too (no bitwise claim: fast mode is
-not batch-invariant).
+(quantization="fp8" on hidden-256 copies: block-scaled and rowwise FP8 linears, FP8 routed experts).
+Prompts of ~30 to ~1750 tokens put decode rows at 1 to 4 MLA KV splits (bf16 tiles of 32 positions: two
+splits from position 512, four from 1536), batch sizes 1, 3, 8 and 17 run in buckets 1, 4, 8 and 32
+(padding rows), and requests of several lengths finish at different steps, so batches shrink through
+smaller buckets. Greedy and seeded sampling with logprobs: token ids and logprobs equal the eager engine's
+(`enable_cuda_graphs=False`, synchronous loop), and get_stats shows graph steps with padding. MTP drafting
+that turns itself off mid-run hands its requests to the graph steps without a changed bit. Fast mode
+captures and replays too (no bitwise claim: fast mode is not batch-invariant).
 """
 
 from __future__ import annotations
@@ -34,15 +34,18 @@ def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_deepseek_graphs_gpu")
     built: dict[str, str] = {}
 
-    def get(variant: str) -> str:
-        if variant not in built:
-            if variant == "v3_mtp":   # V3 with a random MTP layer: its drafts mostly fail
-                src = make_tiny_deepseek("v3", root / "v3_src", max_position_embeddings=MAX_LEN)
-                path = write_mtp_layer(shutil.copytree(src, root / "v3_mtp"), seed=1)
-            else:
-                path = make_tiny_deepseek(variant, root / variant, max_position_embeddings=MAX_LEN)
-            built[variant] = str(path)
-        return built[variant]
+    def get(name: str) -> str:
+        """"v3" / "v2"; "_wide": hidden 256 (FP8 runs: K of 256 is two 128-column groups, so the block-scaled
+        GEMM runs beside the rowwise one that layers of K <= 128 take); "v3_mtp": V3 with a random MTP layer
+        (its drafts mostly fail)."""
+        if name not in built:
+            variant = name.split("_")[0]
+            extra = {"hidden_size": 256} if name.endswith("_wide") else {}
+            path = make_tiny_deepseek(variant, root / f"{name}_src", max_position_embeddings=MAX_LEN, **extra)
+            if name.endswith("_mtp"):
+                path = write_mtp_layer(shutil.copytree(path, root / name), seed=1)
+            built[name] = str(path)
+        return built[name]
 
     return get
 
@@ -76,8 +79,8 @@ def _llm(path: str, **kw):
 @pytest.mark.parametrize("variant,quantization,capture", [
     ("v3", None, "startup"),
     ("v2", None, "startup"),
-    ("v3", "fp8", "startup"),
-    ("v2", "fp8", "startup"),
+    ("v3_wide", "fp8", "startup"),
+    ("v2_wide", "fp8", "startup"),
     ("v3", None, "lazy"),
 ])
 def test_graph_decode_steps_give_the_eager_bits(ckpt, variant, quantization, capture):
@@ -87,9 +90,11 @@ def test_graph_decode_steps_give_the_eager_bits(ckpt, variant, quantization, cap
     reference = {n: _outputs(eager, n) for n in SIZES}
     del eager
     llm = _llm(path, quantization=quantization, cuda_graph_capture=capture)
-    if quantization == "fp8":
+    if quantization == "fp8":   # FP8 experts, block-scaled and rowwise FP8 linears
         assert any(m.gate_up_proj.dtype == torch.float8_e4m3fn
                    for m in llm.model.modules() if hasattr(m, "gate_up_scale")), "FP8 experts expected"
+        groups = {m.fp8_scale.shape[1] for m in llm.model.modules() if hasattr(m, "fp8_scale")}
+        assert groups == {1, 2}, groups
     stats = llm.get_stats()
     assert stats["cuda_graphs_enabled"], stats
     for n in SIZES:
