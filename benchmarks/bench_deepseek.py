@@ -4,6 +4,10 @@ Run on the H200 (about 4-6 minutes; the HF arm is most of it):
     python benchmarks/bench_deepseek.py --out ds_v2lite.json
 Smoke run on CPU with a tiny shape (proves the script end to end, seconds to a minute):
     python benchmarks/bench_deepseek.py --quick
+CUDA graphs on vs off (decode steps as graphs vs eager), deterministic mode, bf16 and block-scaled FP8, one
+engine per precision with the two arms interleaved on it (benchmarks/graphs_ab.py), about 4 minutes on the
+H200 with the shortened default workload of this mode (128 x 512 -> 64: output-len 64 instead of 128):
+    python benchmarks/bench_deepseek.py --graphs-ab --out ds_graphs_ab.json
 
 Shape: 27 layers, hidden 2048, 16 heads, MLA (kv_lora_rank 512, q_lora_rank null, qk_nope 128, qk_rope 64,
 v_head_dim 128), 64 routed experts top-6 + 2 shared (moe_intermediate_size 1408), first layer dense
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 from common import JsonOut, StepRecorder, add_rates, compare_arms, measure_hf_runs, measure_runs, spread, sync
+from graphs_ab import graphs_ab
 
 CEILING_FLOPS = 780e12
 CEILING_BYTES_S = 4.2e12
@@ -168,6 +173,47 @@ def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: Js
     return result
 
 
+def bench_graphs_ab(model_dir: Path, prompts, args, out: JsonOut, quantization: str | None) -> dict:
+    """Deterministic mode, graphs on vs off on one engine (benchmarks/graphs_ab.py), greedy, every request
+    `--output-len` tokens; out tok/s per arm from each run's seconds."""
+    from deepinfer.engine import LLM, SamplingParams
+
+    kw = (dict(gpu_memory_utilization=0.85) if args.device == "cuda" else dict(num_kv_blocks=256))
+    llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
+              deterministic=True, quantization=quantization, cuda_graph_capture="lazy",
+              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=len(prompts),
+              max_num_batched_tokens=16384, enable_prefix_caching=False, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    label = f"deterministic-{quantization or 'bf16'}"
+    r = graphs_ab(llm, prompts, sp, args.runs, out, label)
+    for arm in ("eager", "graphs"):
+        secs = r[arm]["seconds"]["runs"]
+        r[arm]["out_tok_s"] = spread([r["output_tokens"] / t for t in secs])
+    del llm
+    return r
+
+
+def run_graphs_ab(args, model_dir: Path, prompts, out: JsonOut) -> dict:
+    rows = {}
+    for q in args.quantizations.split(","):
+        quant = None if q in ("none", "bf16") else q
+        r = bench_graphs_ab(model_dir, prompts, args, out, quant)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        name = f"deterministic-{quant or 'bf16'}"
+        rows[name] = r
+        e, g = r["eager"], r["graphs"]
+        ms = {a: (r[a]["decode_step_host_ms"] or {}).get("median", float("nan")) for a in ("eager", "graphs")}
+        print(f"deepseek {'tiny' if args.quick else 'v2-lite'} {name}: eager out "
+              f"{e['out_tok_s']['median']:.0f} tok/s (min {e['out_tok_s']['min']:.0f}, max "
+              f"{e['out_tok_s']['max']:.0f}), graphs {g['out_tok_s']['median']:.0f} tok/s (min "
+              f"{g['out_tok_s']['min']:.0f}, max {g['out_tok_s']['max']:.0f}): x{r['speedup_median']:.2f}; "
+              f"decode step {ms['eager']:.1f} -> {ms['graphs']:.1f} ms; buckets {g['buckets']} captured in "
+              f"{g['capture_seconds']:.1f} s; tokens identical: {r['tokens_identical']}", flush=True)
+    return rows
+
+
 def bench_hf(model_dir: Path, prompts, args, out: JsonOut) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -200,15 +246,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shape on CPU, float32: a smoke run")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=None, help="default 128 (64 with --graphs-ab)")
     ap.add_argument("--hf-batch", type=int, default=0, help="HF generate batch (0: all prompts at once)")
     ap.add_argument("--modes", default="deterministic,fast,hf")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--hf-runs", type=int, default=0, help="measured HF runs (0: --runs)")
     ap.add_argument("--mtp-iters", type=int, default=10)
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
+    ap.add_argument("--graphs-ab", action="store_true",
+                    help="instead of --modes: CUDA graphs on vs off, deterministic, arms interleaved")
+    ap.add_argument("--quantizations", default="none,fp8", help="--graphs-ab: engines to build (none, fp8)")
     args = ap.parse_args()
     shape = TINY if args.quick else V2_LITE
+    if args.output_len is None:
+        args.output_len = 64 if args.graphs_ab else 128
     if args.quick:
         args.num_prompts, args.prompt_len, args.output_len = 4, 24, 6
         args.mtp_iters = 3
@@ -222,6 +273,15 @@ def main() -> None:
     ceiling = CEILING_FLOPS / (2 * params["active"])
     total_in = args.num_prompts * args.prompt_len
     out = JsonOut(args.out)
+    if args.graphs_ab:
+        rows = run_graphs_ab(args, model_dir, prompts, out)
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        out.summary({"bench": "deepseek-graphs-ab", "date": date,
+                     "quick": args.quick, "shape": shape, "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "runs": args.runs, "results": rows})
+        return
     rows = {}
     for mode in args.modes.split(","):
         if mode == "hf":

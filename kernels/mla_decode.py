@@ -21,21 +21,31 @@ computed as part of a prefill chunk, its bits never depend on scheduling — pro
 leave a row's state unchanged exactly (as in paged_attention: alpha is exactly 1 when the max does not
 move, p = exp2(-inf) = 0, P @ V adds exact zeros), and positions beyond the program's last query position
 are masked at load time, so unwritten slots (NaN bits) never enter the arithmetic.
+
+Launch plans (kernels/mla_decode_plan.py): the host plan, built from the step's host lengths, serves any
+step; a decode step given `meta.decode_plan` (CUDA graphs) takes the static decode plan, whose launches
+depend on the number of tokens and the policy only. Both run the same programs per token with the same
+arithmetic; only the split axis' extent and the scratch addresses differ, so the bits are the same.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor, is_power_of_two
+from deepinfer.kernels.mla_decode_plan import (
+    DETERMINISTIC_SPLITS,
+    NO_SPLIT,
+    SplitPolicy,
+    get_host_plan,
+    static_decode_ranges,
+)
 from deepinfer.kernels.mla_proj import head_proj
-from deepinfer.kernels.reference.mla_decode import check_mla_decode_args, split_counts
+from deepinfer.kernels.reference.mla_decode import check_mla_decode_args
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
@@ -44,28 +54,9 @@ __all__ = ["SplitPolicy", "DETERMINISTIC_SPLITS", "NO_SPLIT", "mla_tile_config",
            "head_proj", "fast_split_policy"]
 
 _LOG2E = 1.4426950408889634
-_PLAN_ATTR = "_mla_decode_plans"
-# Scratch (fp32 partial outputs of multi-split rows) of one launch group: the plan is cut into groups of
-# query blocks whose partials fit, so a long prefill never needs tokens x splits x heads x R floats at once.
+# Scratch (fp32 partial outputs of multi-split rows) of one launch: the plan is cut into launches whose
+# partials fit, so a long prefill never needs tokens x splits x heads x R floats at once.
 SCRATCH_BUDGET_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class SplitPolicy:
-    """How a row's KV tiles are split: at most `max_splits` splits of at least `min_tiles` tiles each."""
-
-    min_tiles: int
-    max_splits: int
-
-    def __post_init__(self) -> None:
-        if self.min_tiles < 1 or self.max_splits < 1:
-            raise ValueError(f"SplitPolicy({self.min_tiles}, {self.max_splits}): min_tiles and max_splits "
-                             "must be >= 1")
-
-
-# Deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up to 4.
-DETERMINISTIC_SPLITS = SplitPolicy(min_tiles=16, max_splits=4)
-NO_SPLIT = SplitPolicy(min_tiles=1 << 30, max_splits=1)
 
 
 def mla_tile_config(num_heads: int, rank: int, rope_dim: int, dtype: torch.dtype) -> dict[str, int]:
@@ -84,7 +75,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def fast_split_policy(meta: AttentionMetadata, num_heads: int, device: torch.device) -> SplitPolicy:
-    """Fast (not batch-invariant) mode: split decode steps whose programs would not fill the GPU."""
+    """Fast (not batch-invariant) mode: split decode steps whose programs would not fill the GPU.
+
+    Chosen from `meta.num_seqs`: in a CUDA-graph decode step that is the bucket size (padding rows
+    included), so the graph's launches stay fixed per bucket, and a graph step splits as an eager step of
+    that many rows would. Fast mode promises no batch invariance (its GEMMs are cuBLAS, whose algorithm
+    depends on M too), so a graph step need not equal the eager step of its real rows bit for bit."""
     if meta.max_query_len != 1 or device.type != "cuda":
         return NO_SPLIT
     programs = meta.num_seqs * triton.cdiv(num_heads, 16)
@@ -102,7 +98,7 @@ def _mla_split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, FIXED_SLOTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -173,7 +169,11 @@ def _mla_split_kernel(
     tl.store(out_ptr + t[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + r[None, :],
              out.to(out_ptr.dtype.element_ty), mask=single[:, None])
     multi = active & (n_splits > 1)
-    slot = tl.load(soff_ptr + t, mask=multi, other=0) - slot_base + split
+    # Where the partial goes changes no arithmetic: the static decode plan's fixed slot, or the host plan's.
+    if FIXED_SLOTS:
+        slot = t * MAX_SPLITS - slot_base + split
+    else:
+        slot = tl.load(soff_ptr + t, mask=multi, other=0) - slot_base + split
     part = slot * num_heads + head
     tl.store(part_ptr + part[:, None] * RANK + r[None, :], acc, mask=multi[:, None])
     tl.store(ml_ptr + 2 * part, m_i, mask=multi)
@@ -185,16 +185,24 @@ def _mla_combine_kernel(
     out_ptr, part_ptr, ml_ptr, tok_ptr, pos_ptr, soff_ptr,
     slot_base, num_heads, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, FIXED_SLOTS: tl.constexpr,
 ):
-    t = tl.load(tok_ptr + tl.program_id(0)).to(tl.int64)
+    if FIXED_SLOTS:   # the static decode plan: one program per token from slot_base / MAX_SPLITS on
+        t = (slot_base // MAX_SPLITS + tl.program_id(0)).to(tl.int64)
+    else:             # the host plan: the multi-split tokens listed at tok_ptr
+        t = tl.load(tok_ptr + tl.program_id(0)).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
     q_pos = tl.load(pos_ptr + t).to(tl.int32)
     n_tiles = q_pos // BLOCK_N + 1
     per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
     n_splits = (n_tiles + per_split - 1) // per_split
-    base = tl.load(soff_ptr + t) - slot_base
+    if FIXED_SLOTS:
+        if n_splits == 1:
+            return   # the split kernel stored this row's output itself; it left no partials
+        base = t * MAX_SPLITS - slot_base
+    else:
+        base = tl.load(soff_ptr + t) - slot_base
     r = tl.arange(0, RANK)
     m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -214,82 +222,6 @@ def _mla_combine_kernel(
              (o_run / l_run[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-@dataclass
-class _Group:
-    entry_lo: int           # plan entries [entry_lo, entry_hi) launched together
-    entry_hi: int
-    max_splits: int         # most splits of any row of the group (grid axis 2)
-    slot_base: int          # first scratch slot of the group (global slot numbering)
-    num_slots: int
-    tok_lo: int             # the group's multi-split tokens: split_tokens[tok_lo:tok_hi]
-    tok_hi: int
-
-
-@dataclass
-class _Plan:
-    plan: torch.Tensor          # int32 [2 * entries]: (sequence, query block), in token order
-    soff: torch.Tensor          # int64 [T]: first scratch slot of each multi-split token (-1 otherwise)
-    split_tokens: torch.Tensor  # int32 [n]: the multi-split tokens, ascending
-    groups: list[_Group]
-    max_group_slots: int
-
-
-def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int, block_n: int, policy: SplitPolicy,
-                slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[_Group]]:
-    """Host plan (vectorised): entries in token order, each multi-split token's scratch slots, groups."""
-    q = np.asarray(query_lens, dtype=np.int64)
-    s = np.asarray(seq_lens, dtype=np.int64)
-    num_tokens = int(q.sum())
-    starts = np.concatenate([[0], np.cumsum(q)])
-    seq_of = np.repeat(np.arange(len(q)), q)
-    positions = np.arange(num_tokens) - starts[seq_of] + (s - q)[seq_of]
-    counts = split_counts(positions, block_n, policy.min_tiles, policy.max_splits)
-    soff = np.concatenate([[0], np.cumsum(np.where(counts > 1, counts, 0))])
-    blocks = -(-q // block_q)
-    entry_seq = np.repeat(np.arange(len(q)), blocks)
-    entry_qb = np.arange(int(blocks.sum())) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    first = starts[entry_seq] + entry_qb * block_q                     # first token of each entry
-    bounds = np.append(first, num_tokens)                              # entry e: [bounds[e], bounds[e+1])
-    slot_at = soff[bounds]                                             # scratch slots used before entry e
-    budget = max(1, SCRATCH_BUDGET_BYTES // slot_bytes)
-    multi = np.nonzero(counts > 1)[0]
-    groups: list[_Group] = []
-    lo, num_entries = 0, len(first)
-    while lo < num_entries:
-        # the most entries from lo whose slots fit the budget (at least one)
-        hi = max(lo + 1, int(np.searchsorted(slot_at, slot_at[lo] + budget, side="right")) - 1)
-        hi = min(hi, num_entries)
-        a, b = int(bounds[lo]), int(bounds[hi])
-        groups.append(_Group(lo, hi, int(counts[a:b].max()), int(slot_at[lo]), int(slot_at[hi] - slot_at[lo]),
-                             int(np.searchsorted(multi, a)), int(np.searchsorted(multi, b))))
-        lo = hi
-    plan = np.stack([entry_seq, entry_qb], axis=1).reshape(-1)
-    return plan, np.where(counts > 1, soff[:-1], -1), multi, groups
-
-
-def _get_plan(meta: AttentionMetadata, cfg: dict[str, int], policy: SplitPolicy, slot_bytes: int,
-              device: torch.device) -> _Plan:
-    """The step's plan, cached on `meta` while its host lengths are unchanged (one build per step)."""
-    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
-    key = (cfg["BLOCK_Q"], cfg["BLOCK_N"], policy, slot_bytes, str(device))
-    cache = getattr(meta, _PLAN_ATTR, None)
-    if cache is not None and key in cache and cache[key][0] == lens:
-        return cache[key][1]
-    plan, soff, multi, groups = _build_plan(lens[0], lens[1], cfg["BLOCK_Q"], cfg["BLOCK_N"], policy,
-                                            slot_bytes)
-    built = _Plan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
-                  torch.from_numpy(multi.astype(np.int32)).to(device), groups,
-                  max((g.num_slots for g in groups), default=0))
-    try:
-        if cache is None:
-            cache = {}
-            setattr(meta, _PLAN_ATTR, cache)
-        cache[key] = (lens, built)
-    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
-        pass
-    return built
-
-
 def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int,
                policy: SplitPolicy = DETERMINISTIC_SPLITS) -> torch.Tensor:
     """Absorbed MLA: q_abs [T, H, R + P] over the latent cache [blocks, block_size, R + P] -> [T, H, R].
@@ -298,6 +230,10 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     meta.block_tables[b] (this step's entries must already be in the cache). Any mix of prefill and decode
     rows. `policy` fixes the split-KV layout; keep it constant (DETERMINISTIC_SPLITS) for batch
     invariance. Output in q_abs's dtype, fp32 accumulation.
+
+    With `meta.decode_plan` (a decode step of one token per sequence, as CUDA-graph steps give) the launches
+    come from the static decode plan, which never reads the host lengths (kernels/mla_decode_plan.py): the
+    same bits as the host plan, whose launches depend on every row's position.
     """
     check_mla_decode_args(q_abs, cache, meta, rank)
     num_tokens, num_heads, width = q_abs.shape
@@ -312,31 +248,90 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     out = torch.empty((num_tokens, num_heads, rank), dtype=q_abs.dtype, device=q_abs.device)
     if num_tokens == 0:
         return out
-    cfg = mla_tile_config(num_heads, rank, rope, q_abs.dtype)
-    slot_bytes = num_heads * (rank + 2) * 4
-    plan = _get_plan(meta, cfg, policy, slot_bytes, q_abs.device)
-    part = torch.empty((max(1, plan.max_group_slots) * num_heads, rank), dtype=torch.float32,
-                       device=q_abs.device)
-    ml = torch.empty((max(1, plan.max_group_slots) * num_heads, 2), dtype=torch.float32, device=q_abs.device)
-    head_blocks = triton.cdiv(num_heads, cfg["GROUP"])
-    bt = meta.block_tables
-    for g in plan.groups:
-        _mla_split_kernel[(g.entry_hi - g.entry_lo, head_blocks, g.max_splits)](
-            q_abs, cache, out, part, ml,
-            plan.plan[2 * g.entry_lo:], meta.query_start_loc, meta.positions, bt, plan.soff,
-            float(scale) * _LOG2E, g.slot_base, num_heads,
-            q_abs.stride(0), q_abs.stride(1), out.stride(0), out.stride(1),
+    launch = _Launch(q_abs, cache, meta, out, scale, rank, policy)
+    if meta.decode_plan is not None and meta.max_query_len == 1:
+        launch.static_decode(meta.decode_plan)
+    else:
+        launch.host_planned()
+    return out
+
+
+class _Launch:
+    """The kernels' arguments common to both plan forms, and the two launch sequences."""
+
+    def __init__(self, q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
+                 scale: float, rank: int, policy: SplitPolicy) -> None:
+        self.q_abs, self.cache, self.meta, self.out = q_abs, cache, meta, out
+        self.scale, self.rank, self.policy = scale, rank, policy
+        num_heads = q_abs.shape[1]
+        self.num_heads = num_heads
+        self.cfg = mla_tile_config(num_heads, rank, q_abs.shape[2] - rank, q_abs.dtype)
+        self.slot_bytes = num_heads * (rank + 2) * 4   # one (token, split): acc [H, R] + (max, sum) [H, 2]
+
+    def _scratch(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = max(1, slots) * self.num_heads
+        dev = self.q_abs.device
+        return (torch.empty((rows, self.rank), dtype=torch.float32, device=dev),
+                torch.empty((rows, 2), dtype=torch.float32, device=dev))
+
+    def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
+               soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
+        q, cache, out, meta, cfg, policy = self.q_abs, self.cache, self.out, self.meta, self.cfg, self.policy
+        bt = meta.block_tables
+        _mla_split_kernel[grid](
+            q, cache, out, part, ml,
+            plan, meta.query_start_loc, meta.positions, bt, soff,
+            float(self.scale) * _LOG2E, slot_base, self.num_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             cache.stride(0), cache.stride(1), bt.stride(0),
             GROUP=cfg["GROUP"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            RANK=rank, ROPE=rope, BLOCK_P=cfg["BLOCK_P"], BLOCK_SIZE=cache.shape[1],
-            MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, IEEE=q_abs.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            RANK=self.rank, ROPE=q.shape[2] - self.rank, BLOCK_P=cfg["BLOCK_P"], BLOCK_SIZE=cache.shape[1],
+            MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, IEEE=q.dtype == torch.float32,
+            FIXED_SLOTS=fixed_slots, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        if g.tok_hi > g.tok_lo:
-            _mla_combine_kernel[(g.tok_hi - g.tok_lo, triton.cdiv(num_heads, cfg["BLOCK_H"]))](
-                out, part, ml, plan.split_tokens[g.tok_lo:], meta.positions, plan.soff,
-                g.slot_base, num_heads, out.stride(0), out.stride(1),
-                BLOCK_H=cfg["BLOCK_H"], RANK=rank, BLOCK_N=cfg["BLOCK_N"],
-                MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, num_warps=4,
-            )
-    return out
+
+    def _combine(self, tokens: int, part: torch.Tensor, ml: torch.Tensor, tok: torch.Tensor,
+                 soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
+        out, cfg, policy = self.out, self.cfg, self.policy
+        _mla_combine_kernel[(tokens, triton.cdiv(self.num_heads, cfg["BLOCK_H"]))](
+            out, part, ml, tok, self.meta.positions, soff,
+            slot_base, self.num_heads, out.stride(0), out.stride(1),
+            BLOCK_H=cfg["BLOCK_H"], RANK=self.rank, BLOCK_N=cfg["BLOCK_N"],
+            MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, FIXED_SLOTS=fixed_slots, num_warps=4,
+        )
+
+    def host_planned(self) -> None:
+        """Launch groups of the host plan: packed slots, the combine over multi-split tokens only."""
+        cfg = self.cfg
+        plan = get_host_plan(self.meta, cfg["BLOCK_Q"], cfg["BLOCK_N"], self.policy, self.slot_bytes,
+                             SCRATCH_BUDGET_BYTES, self.q_abs.device)
+        part, ml = self._scratch(plan.max_group_slots)
+        head_blocks = triton.cdiv(self.num_heads, cfg["GROUP"])
+        for g in plan.groups:
+            self._split((g.entry_hi - g.entry_lo, head_blocks, g.max_splits), part, ml,
+                        plan.plan[2 * g.entry_lo:], plan.soff, g.slot_base, False)
+            if g.tok_hi > g.tok_lo:
+                self._combine(g.tok_hi - g.tok_lo, part, ml, plan.split_tokens[g.tok_lo:], plan.soff,
+                              g.slot_base, False)
+
+    def static_decode(self, decode_plan: torch.Tensor) -> None:
+        """Launches that depend on the number of tokens and the policy only (a CUDA graph's decode step):
+        entry t = (sequence t, query block 0) holds token t; grid (tokens, head blocks, max_splits); token
+        t's split s at slot t * max_splits + s; the combine over every token, skipping single-split rows."""
+        num_tokens = self.q_abs.shape[0]
+        if decode_plan.dtype != torch.int32 or tuple(decode_plan.shape) != (2 * num_tokens,):
+            raise ValueError(f"meta.decode_plan: expected int32 [{2 * num_tokens}] (one entry per token), "
+                             f"got {decode_plan.dtype} {tuple(decode_plan.shape)}")
+        if self.meta.num_seqs != num_tokens:
+            raise ValueError(f"meta.decode_plan: {self.meta.num_seqs} sequences for {num_tokens} tokens")
+        max_splits = self.policy.max_splits
+        ranges = static_decode_ranges(num_tokens, max_splits, self.slot_bytes, SCRATCH_BUDGET_BYTES)
+        multi = max_splits > 1   # with one split at most, no row leaves partials: no scratch, no combine
+        part, ml = self._scratch((ranges[0][1] - ranges[0][0]) * max_splits if multi else 0)
+        head_blocks = triton.cdiv(self.num_heads, self.cfg["GROUP"])
+        unused = self.meta.positions   # the fixed-slot kernels read no slot / token table
+        for lo, hi in ranges:
+            self._split((hi - lo, head_blocks, max_splits), part, ml, decode_plan[2 * lo:], unused,
+                        lo * max_splits, True)
+            if multi:
+                self._combine(hi - lo, part, ml, unused, unused, lo * max_splits, True)

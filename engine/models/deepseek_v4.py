@@ -6,6 +6,8 @@ window + CSA or HCA compressed branch per `layer_types`) and a MoE block (engine
 hash-routed for `hash_moe` layers, top-k otherwise). The model chooses its own KV-cache layout
 (`kv_cache_spec` / `allocate_kv_cache`, engine/layers/v4_cache.py): the bounded window + compressed pools
 with or without prefix caching (`configure_kv_cache`, engine/core/window_blocks.py).
+Its decode steps run eagerly, never as CUDA graphs (engine/runner/cuda_graphs.py `graphs_supported`): the
+window and compressed-entry attention plans its steps on the host, which a captured graph would freeze.
 MTP modules in the checkpoint are loaded and kept aside in `mtp_weights`; with MTP drafting on, the draft
 (engine/spec_decode/v4_mtp_model.py) builds itself from them and sets `keep_streams`, so that `forward`
 leaves the final `hc_mult` streams (what DeepSeek's MTP block reads, before `hc_head`) in `last_streams`.

@@ -9,7 +9,13 @@ the host per step and padding rows need no logits.
 Why the bits equal the eager path's: the deterministic kernels are row-independent (GEMM tiles never depend
 on M, RMSNorm per row, attention per sequence), the attention plan only maps programs to sequences, and the
 padding rows write no cache slot (input_buffers docstring). So a real row computes exactly what it computes
-in an eager step of any size.
+in an eager step of any size. The captured metadata's host lengths are placeholders (`graph_metadata`): the
+MLA kernel of DeepSeek-V2/V3 then runs its static decode plan (kernels/mla_decode_plan.py), the same bits as
+the host plan an eager step builds from the real lengths; padding tokens are routed through the MoE like any
+other token, and its fixed tiles keep a token's bits independent of which tokens share its experts.
+Fast mode is not batch-invariant: a graph step computes its rows as an eager step of the bucket's size
+would (MLA's split policy is chosen from the bucket size), not necessarily as an eager step of the real
+rows alone.
 
 Captured at start-up, largest bucket first, all buckets sharing one memory pool (a replay's activations are
 dead once its step's logits are computed, which the stream orders before the next replay); or lazily, each
@@ -30,6 +36,7 @@ from deepinfer.engine.runner.input_buffers import (
     DecodeStager,
     StaticDecodeBuffers,
     graph_buckets,
+    graph_metadata,
     pick_bucket,
 )
 from deepinfer.kernels.metadata import AttentionMetadata
@@ -77,14 +84,7 @@ class DecodeGraphs:
         self._pool: object | None = None
 
     def _meta(self, b: int) -> AttentionMetadata:
-        buf = self.buffers
-        return AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:b], positions=buf.positions[:b],
-            query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b],
-            block_tables=buf.block_tables[:b], block_size=self.block_size, max_query_len=1,
-            max_seq_len=buf.block_tables.shape[1] * self.block_size,
-            query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, decode_plan=buf.plan[: 2 * b],
-        )
+        return graph_metadata(self.buffers, b, self.block_size)
 
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
         buf = self.buffers
@@ -256,12 +256,16 @@ def env_flag(name: str) -> bool:
 
 
 def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether the model's decode forward is capturable: the dense decoder family on CUDA (its ops launch
-    kernels only, no host reads). Other models (e.g. MLA, whose reference path reads lengths on the host)
-    run eagerly."""
+    """Whether the model's decode forward is capturable on `device`: the dense decoder family and
+    DeepSeek-V2/V3 (MLA + routed MoE) on CUDA, whose decode ops launch kernels only, with no host read of
+    device values and no shape that depends on data (MLA takes its static decode plan; MoE routing, the
+    expert sort and the grouped GEMMs' tile maps are sized from the token count alone). Exactly these
+    classes: a subclass may add host work. DeepSeek-V4 (sliding window + compressed caches, whose steps
+    plan on the host) and everything on CPU run eagerly."""
     from deepinfer.engine.models.decoder import CausalLM
+    from deepinfer.engine.models.deepseek import DeepseekForCausalLM
 
-    return device.type == "cuda" and type(model) is CausalLM   # exactly: a subclass may add host work
+    return device.type == "cuda" and type(model) in (CausalLM, DeepseekForCausalLM)
 
 
 CAPTURE_ENV = "DEEPINFER_CUDA_GRAPH_CAPTURE"

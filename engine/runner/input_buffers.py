@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from deepinfer.kernels.metadata import AttentionMetadata
 
 # Buckets grow by this step past the powers of two below it: at most STEP - 1 padding rows per step.
 BUCKET_STEP = 16
@@ -248,3 +249,19 @@ class StaticDecodeBuffers:
         self._flat.copy_(staging, non_blocking=True)
         event.record()
         slot[2] = True
+
+
+def graph_metadata(buf: StaticDecodeBuffers, b: int, block_size: int) -> AttentionMetadata:
+    """The metadata a decode graph of bucket `b` is captured with: views of the static buffers.
+
+    Its host lengths are placeholders (one query token and context 1 per row): a graph replays the same
+    launches whatever the rows' positions, so nothing it runs may read them beyond the token count. Ops
+    whose launches depend on positions read the device tensors, or take `decode_plan` as their static
+    program map (paged attention, and the MLA kernel's static decode plan, kernels/mla_decode_plan.py)."""
+    return AttentionMetadata(
+        slot_mapping=buf.slot_mapping[:b], positions=buf.positions[:b],
+        query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b],
+        block_tables=buf.block_tables[:b], block_size=block_size, max_query_len=1,
+        max_seq_len=buf.block_tables.shape[1] * block_size,
+        query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, decode_plan=buf.plan[: 2 * b],
+    )

@@ -37,3 +37,8 @@ def test_absorbed_reference_equals_expanded_attention():
 @launches("tests/kernels/test_mla_decode_interpreted.py")
 def test_mla_kernels_pass_under_interpreter(request):
     run_interpreted(request, "MLA kernel")
+
+
+@launches("tests/kernels/test_mla_static_decode_interpreted.py")
+def test_mla_static_decode_plan_passes_under_interpreter(request):
+    run_interpreted(request, "MLA static decode plan")

@@ -91,3 +91,43 @@ def check_rows_bitwise(want: dict[tuple[int, int], torch.Tensor], rows: Sequence
         for p in range(lo, ctx):
             assert torch.equal(out[i], want[(b, p)]), f"{label}: seq {b} position {p}"
             i += 1
+
+
+def padded_decode_metadata(blocks: Sequence[Sequence[int]], positions: Sequence[int], bucket: int,
+                           block_size: int, device: torch.device | str = "cpu"
+                           ) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A decode step of real rows (row i: the token at positions[i] of the sequence holding blocks[i])
+    padded to `bucket` rows by the engine's own rules (engine/runner/input_buffers.py: position 0, slot -1,
+    context 1, a block table of zeros), in two forms: (eager, graph). eager: the true host lengths and no
+    decode plan (as an eager step of `bucket` rows: the kernels plan on the host); graph: the static
+    buffers' views with placeholder host lengths and the decode plan, as a captured graph holds them
+    (`graph_metadata`)."""
+    from deepinfer.engine.runner.input_buffers import (
+        DecodeRow,
+        StaticDecodeBuffers,
+        graph_metadata,
+        pad_decode,
+    )
+
+    dev = torch.device(device)
+    step = pad_decode([DecodeRow(0, p, list(b)) for p, b in zip(positions, blocks, strict=True)], bucket,
+                      block_size)
+    buf = StaticDecodeBuffers(bucket, step.block_tables.shape[1], dev)
+    buf.load(step)
+    graph = graph_metadata(buf, bucket, block_size)
+    eager = AttentionMetadata(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
+        positions=torch.from_numpy(step.positions).to(dev),
+        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.from_numpy(step.seq_lens).to(dev),
+        block_tables=torch.from_numpy(step.block_tables).to(dev),
+        block_size=block_size, max_query_len=1, max_seq_len=int(step.seq_lens.max()),
+        query_lens_cpu=[1] * bucket, seq_lens_cpu=step.seq_lens.tolist(),
+    )
+    return eager, graph
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two float tensors (NaN payloads and the sign of zero included)."""
+    ints = {4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))

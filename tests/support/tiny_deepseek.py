@@ -53,13 +53,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
-def hf_config(variant: str, vocab_size: int, bos: int, eos: int, pad: int) -> Any:
-    """The transformers config object of `variant`."""
+def hf_config(variant: str, vocab_size: int, bos: int, eos: int, pad: int, **overrides: Any) -> Any:
+    """The transformers config object of `variant` (`overrides`: config fields to set instead, e.g. a longer
+    max_position_embeddings)."""
     import transformers as tf
 
     cls_name, extra = VARIANTS[variant]
-    extra = copy.deepcopy(extra)  # transformers fills rope_parameters in place
-    return getattr(tf, cls_name)(**_MLA, **extra, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos,
+    # a copy: transformers fills rope_parameters in place
+    fields = {**_MLA, **copy.deepcopy(extra), **overrides}
+    return getattr(tf, cls_name)(**fields, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos,
                                  pad_token_id=pad, tie_word_embeddings=False)
 
 
@@ -167,8 +169,9 @@ def write_mtp_layer(path: str | Path, seed: int = 0, agree: bool = False) -> Pat
     return path
 
 
-def make_tiny_deepseek(variant: str, path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny float32 checkpoint of `variant` (see VARIANTS) into `path`; return the path."""
+def make_tiny_deepseek(variant: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny float32 checkpoint of `variant` (see VARIANTS; `overrides`: config fields to change)
+    into `path`; return the path."""
     import transformers as tf
     from tokenizers import Tokenizer
 
@@ -178,7 +181,7 @@ def make_tiny_deepseek(variant: str, path: str | Path, seed: int = 0) -> Path:
     vocab_size = write_tokenizer_files(path)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     bos, eos, im_end, pad = (tok.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN))
-    cfg = hf_config(variant, vocab_size, bos, eos, pad)
+    cfg = hf_config(variant, vocab_size, bos, eos, pad, **overrides)
     torch.manual_seed(seed)
     model = getattr(tf, VARIANTS[variant][0].replace("Config", "ForCausalLM"))(cfg)
     _randomize(model, seed)

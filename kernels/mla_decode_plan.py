@@ -1,0 +1,145 @@
+"""Launch plans of the MLA attention kernels (kernels/mla_decode.py): which programs run, and where a row with
+several KV splits keeps its partial results. Host-side only (numpy, torch): no Triton here.
+
+A program covers one plan entry (sequence, query block), one head block and one split index; a row with
+n_splits(p) > 1 (a function of its position p and the `SplitPolicy` only, `split_counts`) leaves one
+(acc, max, sum) partial per split in a scratch buffer, which the combine kernel merges in split order.
+Two plan forms give the same programs per token and the same arithmetic; only the grid's extent and the
+partials' addresses differ, so a token's output bits are the same under either:
+
+- the host plan (`get_host_plan`), for any mix of prefill and decode rows: built from the step's host
+  lengths; the grid's split axis is the most splits of any row of a launch group, each multi-split token's
+  slots are packed one after another (`soff`), and the combine runs over the multi-split tokens only;
+- the static decode plan (`static_decode_ranges`), for a decode step of single-token rows whose positions
+  the host does not know (a CUDA graph replays one launch sequence for any positions): the split axis is
+  `policy.max_splits` (programs past a row's own split count do nothing), token t's split s lives at slot
+  t * max_splits + s, and the combine runs over every token, leaving single-split rows alone. It depends
+  on the number of tokens, the policy and the slot size only.
+
+Both cut their launches so that one launch's scratch fits `budget` bytes (at least one entry / token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from deepinfer.kernels.reference.mla_decode import split_counts
+
+if TYPE_CHECKING:
+    from deepinfer.kernels.metadata import AttentionMetadata
+
+_PLAN_ATTR = "_mla_decode_plans"
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """How a row's KV tiles are split: at most `max_splits` splits of at least `min_tiles` tiles each."""
+
+    min_tiles: int
+    max_splits: int
+
+    def __post_init__(self) -> None:
+        if self.min_tiles < 1 or self.max_splits < 1:
+            raise ValueError(f"SplitPolicy({self.min_tiles}, {self.max_splits}): min_tiles and max_splits "
+                             "must be >= 1")
+
+
+# Deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up to 4.
+DETERMINISTIC_SPLITS = SplitPolicy(min_tiles=16, max_splits=4)
+NO_SPLIT = SplitPolicy(min_tiles=1 << 30, max_splits=1)
+
+
+@dataclass
+class Group:
+    """One launch of the host plan."""
+
+    entry_lo: int           # plan entries [entry_lo, entry_hi) launched together
+    entry_hi: int
+    max_splits: int         # most splits of any row of the group (grid axis 2)
+    slot_base: int          # first scratch slot of the group (global slot numbering)
+    num_slots: int
+    tok_lo: int             # the group's multi-split tokens: split_tokens[tok_lo:tok_hi]
+    tok_hi: int
+
+
+@dataclass
+class HostPlan:
+    plan: torch.Tensor          # int32 [2 * entries]: (sequence, query block), in token order
+    soff: torch.Tensor          # int64 [T]: first scratch slot of each multi-split token (-1 otherwise)
+    split_tokens: torch.Tensor  # int32 [n]: the multi-split tokens, ascending
+    groups: list[Group]
+    max_group_slots: int
+
+
+def build_host_plan(query_lens: list[int], seq_lens: list[int], block_q: int, block_n: int,
+                    policy: SplitPolicy, slot_bytes: int, budget: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Group]]:
+    """Host plan (vectorised): entries in token order, each multi-split token's scratch slots, groups."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    num_tokens = int(q.sum())
+    starts = np.concatenate([[0], np.cumsum(q)])
+    seq_of = np.repeat(np.arange(len(q)), q)
+    positions = np.arange(num_tokens) - starts[seq_of] + (s - q)[seq_of]
+    counts = split_counts(positions, block_n, policy.min_tiles, policy.max_splits)
+    soff = np.concatenate([[0], np.cumsum(np.where(counts > 1, counts, 0))])
+    blocks = -(-q // block_q)
+    entry_seq = np.repeat(np.arange(len(q)), blocks)
+    entry_qb = np.arange(int(blocks.sum())) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    first = starts[entry_seq] + entry_qb * block_q                     # first token of each entry
+    bounds = np.append(first, num_tokens)                              # entry e: [bounds[e], bounds[e+1])
+    slot_at = soff[bounds]                                             # scratch slots used before entry e
+    per_launch = max(1, budget // slot_bytes)
+    multi = np.nonzero(counts > 1)[0]
+    groups: list[Group] = []
+    lo, num_entries = 0, len(first)
+    while lo < num_entries:
+        # the most entries from lo whose slots fit the budget (at least one)
+        hi = max(lo + 1, int(np.searchsorted(slot_at, slot_at[lo] + per_launch, side="right")) - 1)
+        hi = min(hi, num_entries)
+        a, b = int(bounds[lo]), int(bounds[hi])
+        groups.append(Group(lo, hi, int(counts[a:b].max()), int(slot_at[lo]), int(slot_at[hi] - slot_at[lo]),
+                            int(np.searchsorted(multi, a)), int(np.searchsorted(multi, b))))
+        lo = hi
+    plan = np.stack([entry_seq, entry_qb], axis=1).reshape(-1)
+    return plan, np.where(counts > 1, soff[:-1], -1), multi, groups
+
+
+def get_host_plan(meta: AttentionMetadata, block_q: int, block_n: int, policy: SplitPolicy, slot_bytes: int,
+                  budget: int, device: torch.device) -> HostPlan:
+    """The step's host plan, cached on `meta` while its host lengths are unchanged (one build per step)."""
+    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
+    key = (block_q, block_n, policy, slot_bytes, budget, str(device))
+    cache = getattr(meta, _PLAN_ATTR, None)
+    if cache is not None and key in cache and cache[key][0] == lens:
+        return cache[key][1]
+    plan, soff, multi, groups = build_host_plan(lens[0], lens[1], block_q, block_n, policy, slot_bytes,
+                                                budget)
+    built = HostPlan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
+                     torch.from_numpy(multi.astype(np.int32)).to(device), groups,
+                     max((g.num_slots for g in groups), default=0))
+    try:
+        if cache is None:
+            cache = {}
+            setattr(meta, _PLAN_ATTR, cache)
+        cache[key] = (lens, built)
+    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
+        pass
+    return built
+
+
+def static_decode_ranges(num_tokens: int, max_splits: int, slot_bytes: int, budget: int
+                         ) -> list[tuple[int, int]]:
+    """The launches of the static decode plan: token ranges [lo, hi) in order, each needing at most
+    `budget` bytes of scratch for its (hi - lo) * max_splits slots (at least one token per launch).
+
+    Token t's split s is at scratch slot t * max_splits + s - lo * max_splits of its launch. A function of
+    its arguments only, never of the rows' positions: a CUDA graph captures the same launches for any step
+    of `num_tokens` decode rows."""
+    if num_tokens < 0 or max_splits < 1 or slot_bytes < 1:
+        raise ValueError(f"num_tokens={num_tokens}, max_splits={max_splits}, slot_bytes={slot_bytes}")
+    per_launch = max(1, budget // (max_splits * slot_bytes))
+    return [(lo, min(lo + per_launch, num_tokens)) for lo in range(0, num_tokens, per_launch)]
