@@ -121,7 +121,10 @@ def test_mtp_turning_itself_off_hands_over_to_graph_steps(ckpt):
     plain = _llm(path, enable_cuda_graphs=False, async_scheduling=False)
     reference = _outputs(plain, 17)
     del plain
-    llm = _llm(path, speculative_mtp=MTPConfig(confidence_threshold=0.0, min_rows=8))
+    # min_rows above one step's 17 rows: the first steps draft and verify (their drafts, random weights,
+    # are rejected), then the policy turns drafting off after 3 steps (51 rows); with min_rows below 17 it
+    # turns off in the first step, before any draft is verified.
+    llm = _llm(path, speculative_mtp=MTPConfig(confidence_threshold=0.0, min_rows=40))
     assert llm.get_stats()["cuda_graphs_enabled"]
     assert _outputs(llm, 17) == reference
     stats = llm.get_stats()
