@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Attention reduces keys/values in chunks of this many positions, aligned to absolute positions
 # (chunk c covers positions [c*KV_CHUNK, (c+1)*KV_CHUNK)), in increasing order. Because the split
@@ -40,3 +44,23 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+def plan_cached_on(meta: AttentionMetadata, attr: str, key: Hashable,
+                   build: Callable[[list[int], list[int]], T]) -> T:
+    """`build(query_lens_cpu, seq_lens_cpu)`, cached on `meta` under `attr` and `key` (one build per step,
+    not per layer). A cached plan is reused only while meta's host-side lengths are unchanged, so a
+    metadata object refilled in place for the next step gets a fresh plan."""
+    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
+    cache = getattr(meta, attr, None)
+    if cache is not None and key in cache and cache[key][0] == lens:
+        return cache[key][1]
+    built = build(*lens)
+    try:
+        if cache is None:
+            cache = {}
+            setattr(meta, attr, cache)
+        cache[key] = (lens, built)
+    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
+        pass
+    return built

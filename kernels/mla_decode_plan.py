@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from deepinfer.kernels.metadata import plan_cached_on
 from deepinfer.kernels.reference.mla_decode import split_counts
 
 if TYPE_CHECKING:
@@ -111,24 +112,16 @@ def build_host_plan(query_lens: list[int], seq_lens: list[int], block_q: int, bl
 def get_host_plan(meta: AttentionMetadata, block_q: int, block_n: int, policy: SplitPolicy, slot_bytes: int,
                   budget: int, device: torch.device) -> HostPlan:
     """The step's host plan, cached on `meta` while its host lengths are unchanged (one build per step)."""
-    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
+
+    def build(q_lens: list[int], s_lens: list[int]) -> HostPlan:
+        plan, soff, multi, groups = build_host_plan(q_lens, s_lens, block_q, block_n, policy, slot_bytes,
+                                                    budget)
+        return HostPlan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
+                        torch.from_numpy(multi.astype(np.int32)).to(device), groups,
+                        max((g.num_slots for g in groups), default=0))
+
     key = (block_q, block_n, policy, slot_bytes, budget, str(device))
-    cache = getattr(meta, _PLAN_ATTR, None)
-    if cache is not None and key in cache and cache[key][0] == lens:
-        return cache[key][1]
-    plan, soff, multi, groups = build_host_plan(lens[0], lens[1], block_q, block_n, policy, slot_bytes,
-                                                budget)
-    built = HostPlan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
-                     torch.from_numpy(multi.astype(np.int32)).to(device), groups,
-                     max((g.num_slots for g in groups), default=0))
-    try:
-        if cache is None:
-            cache = {}
-            setattr(meta, _PLAN_ATTR, cache)
-        cache[key] = (lens, built)
-    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
-        pass
-    return built
+    return plan_cached_on(meta, _PLAN_ATTR, key, build)
 
 
 def static_decode_ranges(num_tokens: int, max_splits: int, slot_bytes: int, budget: int

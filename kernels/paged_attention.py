@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 from deepinfer.kernels._checks import is_power_of_two
-from deepinfer.kernels.metadata import KV_CHUNK
+from deepinfer.kernels.metadata import KV_CHUNK, plan_cached_on
 from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _paged_attention_kernel
 from deepinfer.kernels.reference.attention import check_attention_args
 
@@ -94,26 +94,9 @@ def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> lis
 
 
 def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
-    """The program -> (sequence, query block) map, cached on `meta` (one build per step, not per layer).
-
-    A cached plan is reused only while meta's host-side lengths are unchanged, so a metadata object that is
-    refilled in place for the next step gets a fresh plan.
-    """
-    lens = (list(meta.query_lens_cpu), list(meta.seq_lens_cpu))
-    cache = getattr(meta, _PLAN_ATTR, None)
-    key = (block_q, str(device))
-    if cache is not None and key in cache and cache[key][0] == lens:
-        return cache[key][1]
-    plan = _build_plan(lens[0], lens[1], block_q)
-    tensor = torch.tensor(plan, dtype=torch.int32).to(device)
-    try:
-        if cache is None:
-            cache = {}
-            setattr(meta, _PLAN_ATTR, cache)
-        cache[key] = (lens, tensor)
-    except AttributeError:  # a frozen/slotted metadata class: rebuild per call instead
-        pass
-    return tensor
+    """The program -> (sequence, query block) map, cached on `meta` (metadata.plan_cached_on)."""
+    return plan_cached_on(meta, _PLAN_ATTR, (block_q, str(device)), lambda q_lens, s_lens: torch.tensor(
+        _build_plan(q_lens, s_lens, block_q), dtype=torch.int32).to(device))
 
 
 def paged_attention(

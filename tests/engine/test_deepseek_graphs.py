@@ -14,8 +14,9 @@ import torch
 from deepinfer.engine import LLM, SamplingParams
 from deepinfer.engine.models.deepseek import DeepseekForCausalLM
 from deepinfer.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
-from deepinfer.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported, is_decode_step
+from deepinfer.engine.runner.cuda_graphs import DecodeGraphs, graphs_supported
 
+from tests.support.graph_checks import check_padded_decode_step
 from tests.support.tiny_deepseek import tiny_deepseek_builder
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -81,28 +82,4 @@ def test_padding_rows_write_no_latent_and_leave_real_rows_bitwise(ckpt):
     """A decode step of 3 rows run in a bucket of 4: the padding row (token 0 at position 0, slot -1) is
     routed through every MoE layer beside the real rows, yet their hidden states are the eager step's bits,
     and no latent cache entry but the real rows' is written."""
-    llm = _llm(ckpt("v3"))
-    engine = llm.engine
-    prompts = [[5, 6, 7, 8], list(range(10, 40)), [9]]
-    for i, p in enumerate(prompts):
-        engine.add(llm._make_seq(i, p, SamplingParams(temperature=0.0, max_tokens=8)))
-    engine.step()   # prefill all three
-    out = engine.scheduler.schedule()
-    assert is_decode_step(out) and len(out.scheduled) == 3
-    runner = engine.runner
-    bs = runner.block_size
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, bs, 512, 8, CPU)
-    real_slots = {s.seq.block_table[s.start // bs] * bs + s.start % bs for s in out.scheduled}
-    with torch.inference_mode():
-        before = [c.clone() for c in runner.kv_caches]
-        assert graphs.stage(out, [], None) == 4
-        padded = graphs.forward_eagerly(4).clone()
-        after_padded = [c.clone() for c in runner.kv_caches]
-        eager = engine.executor.forward(out).hidden
-    assert torch.equal(padded[:3], eager)
-    assert torch.isfinite(padded).all()
-    for old, new, cache in zip(before, after_padded, runner.kv_caches, strict=True):
-        changed = set((old != new).any(-1).flatten().nonzero().flatten().tolist())
-        assert changed == real_slots             # the padding row wrote no latent
-        assert torch.equal(cache, new)           # the eager step wrote the same entries
-    engine.abort_all()
+    check_padded_decode_step(_llm(ckpt("v3")), lambda layer: layer.flatten(0, 1))   # latents by slot
