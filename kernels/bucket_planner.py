@@ -9,9 +9,10 @@ first call for a shape outside CUDA-graph capture runs every bucket's config on 
 compares the outputs bitwise; if any differs, or the first call is being captured, that shape keeps one
 config (`fallback`) for every M. The verdict never changes afterwards (invariance first, speed second).
 
-Shared by the bf16 GEMM (kernels/matmul.MatmulPlanner) and the rowwise FP8 GEMM
-(kernels/fp8_rowwise.RowwisePlanner): each passes its bucket table, its single config and its launch.
-torch only (no triton), so the planner logic runs anywhere.
+Shared by the bf16 GEMM (kernels/matmul.MatmulPlanner), the rowwise FP8 GEMM
+(kernels/fp8_rowwise.RowwisePlanner) and the block-scaled one (kernels/fp8_block_plan.BlockPlanner): each
+passes its bucket table, its single config and its launch, and proves on `probe_rows`. torch only (no
+triton), so the planner logic runs anywhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ Buckets = Sequence[tuple[int | None, C]]
 def bucket_for(buckets: Buckets, m: int) -> C:
     """The config of the first bucket whose bound covers `m` (bounds ascending, the last one None)."""
     return next(cfg for max_m, cfg in buckets if max_m is None or m <= max_m)
+
+
+# Rows of a proof: several 64- and 128-row tiles and a ragged last one of every bucket config, fewer than a
+# prefill chunk.
+PROBE_ROWS = 300
+
+
+def probe_rows(k: int, device: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Fixed random activation rows [PROBE_ROWS, k] (seed 0, float32 normals times `scale`, then `dtype`):
+    what a planner's proof multiplies. Not the first call's own rows, which can be degenerate (a CUDA-graph
+    warm-up runs on zeroed buffers)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return (torch.randn(PROBE_ROWS, k, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

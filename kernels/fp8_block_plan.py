@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree
+from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree, probe_rows
 from deepinfer.kernels.fp8_matmul import _check_weight, block_matmul, quantize_act
 from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
@@ -154,10 +154,6 @@ def _pointer(cfg: dict[str, int]) -> dict[str, int]:
     return {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT", "COL_SCALES")}
 
 
-# Probe rows of the proof: several 64- and 128-row tiles and a ragged last one for every bucket config.
-_PROBE_ROWS = 300
-
-
 class BlockPlanner(BucketPlanner[dict[str, int]]):
     """`block_buckets` where the device proves them bitwise equal to `REFERENCE`, else `REFERENCE` for every
     M; one per engine (owned by the CUDA invariant ops backend). The verdict is per weight shape and per
@@ -172,15 +168,12 @@ class BlockPlanner(BucketPlanner[dict[str, int]]):
         """The config for this call (the first call per weight shape runs the proof: probe rows times this
         call's weight)."""
         n, k = weight.shape
-        extra: Hashable = scale_block_n
         return self.choose(xq.shape[0], n, k, out_dtype, xq.device, weight, weight_scale, bias, out_dtype,
-                           scale_block_n, key_extra=extra)
+                           scale_block_n, key_extra=scale_block_n)
 
     def _agree(self, *args: object) -> bool:
         weight, weight_scale, bias, out_dtype, scale_block_n, buckets = args
-        gen = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=gen, device=weight.device) * 4
-        pq, ps = quantize_act(x.to(out_dtype), 128)
+        pq, ps = quantize_act(probe_rows(weight.shape[1], weight.device, out_dtype, scale=4), 128)
         runs: list[tuple[dict[str, int], int]] = [(parse_config(REFERENCE), 0)]
         for _, cfg in buckets:
             for run in ((cfg, scale_block_n), (cfg, 0), (_pointer(cfg), 0)):

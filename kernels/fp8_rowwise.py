@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree
+from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree, probe_rows
 from deepinfer.kernels.fp8_matmul import grouped_tile
 from deepinfer.kernels.fp8_row_quant import quantize_rows
 from deepinfer.kernels.fp8_rowwise_tma import rowwise_tma_launch
@@ -119,16 +119,9 @@ def rowwise_buckets(n: int, k: int) -> tuple[tuple[int | None, dict[str, int]], 
             (None, _cfg(128, 256, 128, 8, 3, tma=1)))
 
 
-# Rows of the planner's probe: several 64- and 128-row tiles and a ragged last one for every bucket config.
-_PROBE_ROWS = 300
-
-
 def _probe_rows(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed random activation rows [_PROBE_ROWS, k], quantized: what the planner's proof multiplies (the
-    first call's own rows can be degenerate: a CUDA-graph warm-up runs on zeroed buffers)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(_PROBE_ROWS, k, generator=gen, device=device, dtype=torch.float32) * 4
-    return quantize_rows(x.to(dtype))
+    """The proof's fixed random rows (bucket_planner.probe_rows, times 4), quantized per row."""
+    return quantize_rows(probe_rows(k, device, dtype, scale=4))
 
 
 class RowwisePlanner(BucketPlanner[dict[str, int]]):

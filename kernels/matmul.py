@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
-from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree
+from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
@@ -157,21 +157,13 @@ class MatmulPlanner(BucketPlanner[MatmulConfig]):
         # Fixed random rows, not the call's own: an engine's first call per shape can be the CUDA-graph
         # warm-up on zeroed buffers (an o-proj input of zeros agrees under any config, proving nothing).
         # Each config also runs with pointer loads: a call TMA cannot read must keep the others' bits.
-        probe = _probe_rows(weight.shape[1], x.dtype, x.device)
+        probe = probe_rows(weight.shape[1], x.device, x.dtype)
         configs: list[MatmulConfig] = []
         for _, cfg in buckets:
             for variant in (cfg, replace(cfg, tma=False)):
                 if variant not in configs:
                     configs.append(variant)
         return outputs_agree(lambda cfg: bi_linear(probe, weight, bias, config=cfg), configs)
-
-
-_PROBE_ROWS = 300   # more than one tile of every bucket config, fewer than a prefill chunk
-
-
-def _probe_rows(k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(0)
-    return torch.randn(_PROBE_ROWS, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
 @functools.cache
