@@ -1,7 +1,9 @@
-"""Argument checks shared by the kernel wrappers: each failure is a ValueError naming the argument."""
+"""Argument checks shared by the kernel wrappers (each failure is a ValueError naming the argument), and the
+device fact their launches are sized by (`num_sms`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -45,3 +47,14 @@ def check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@functools.cache
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA `device` (device 0 where it names no index), read once per device:
+    what persistent loops and split policies size their grids by."""
+    return _sms_of(device.index if device.index is not None else 0)

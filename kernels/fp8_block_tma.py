@@ -25,20 +25,15 @@ cannot read (`tma_usable`, kernels/matmul_tma.py).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels._checks import num_sms
 from deepinfer.kernels.gemm_parts import grouped_tile_ids
 
 # Programs of the persistent loop under Triton's CPU interpreter: small, so a program loops over tiles.
 _INTERPRETER_PROGRAMS = 3
 
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @triton.jit
@@ -135,7 +130,7 @@ def block_tma_launch(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, w
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = tiles
     if cfg.get("PERSISTENT", 0):
-        sms = _num_sms(xq.device.index or 0) if xq.is_cuda else _INTERPRETER_PROGRAMS
+        sms = num_sms(xq.device) if xq.is_cuda else _INTERPRETER_PROGRAMS
         programs = min(tiles, sms * cfg["PERSISTENT"])
     _block_tma_kernel[(programs,)](
         a_desc, xs, b_desc, weight_scale, bias if bias is not None else out, out, m, n, k,

@@ -28,13 +28,12 @@ and the planner's proof covers a bucket that falls back to pointer loads like an
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
@@ -165,10 +164,6 @@ class MatmulPlanner(BucketPlanner[MatmulConfig]):
                     configs.append(variant)
         return outputs_agree(lambda cfg: bi_linear(probe, weight, bias, config=cfg), configs)
 
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # Programs of the persistent loop when running on CPU (Triton interpreter): small, so tests exercise a
@@ -330,7 +325,7 @@ def bi_linear(
     if not cfg.persistent:
         programs = num_tiles
     elif x.is_cuda:
-        programs = min(num_tiles, _num_sms(x.device.index if x.device.index is not None else 0))
+        programs = min(num_tiles, num_sms(x.device))
     else:
         programs = min(num_tiles, _INTERPRETER_PROGRAMS)
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.

@@ -30,13 +30,12 @@ arithmetic; only the split axis' extent and the scratch addresses differ, so the
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels._checks import check_tensor, is_power_of_two
+from deepinfer.kernels._checks import check_tensor, is_power_of_two, num_sms
 from deepinfer.kernels.mla_decode_plan import (
     DETERMINISTIC_SPLITS,
     NO_SPLIT,
@@ -69,10 +68,6 @@ def mla_tile_config(num_heads: int, rank: int, rope_dim: int, dtype: torch.dtype
             "num_warps": 4, "num_stages": 2}
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def fast_split_policy(meta: AttentionMetadata, num_heads: int, device: torch.device) -> SplitPolicy:
     """Fast (not batch-invariant) mode: split decode steps whose programs would not fill the GPU.
@@ -84,7 +79,7 @@ def fast_split_policy(meta: AttentionMetadata, num_heads: int, device: torch.dev
     if meta.max_query_len != 1 or device.type != "cuda":
         return NO_SPLIT
     programs = meta.num_seqs * triton.cdiv(num_heads, 16)
-    sms = _num_sms(device.index if device.index is not None else 0)
+    sms = num_sms(device)
     if programs >= sms:
         return NO_SPLIT
     return SplitPolicy(min_tiles=4, max_splits=min(16, triton.cdiv(2 * sms, programs)))
