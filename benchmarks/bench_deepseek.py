@@ -34,7 +34,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import JsonOut, StepRecorder, add_rates, compare_arms, measure_hf_runs, measure_runs, spread, sync
+from common import (
+    JsonOut,
+    StepRecorder,
+    add_rates,
+    compare_arms,
+    measure_hf_runs,
+    measure_runs,
+    profiled_run,
+    spread,
+    sync,
+)
 from graphs_ab import graphs_ab
 
 CEILING_FLOPS = 780e12
@@ -156,6 +166,8 @@ def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: Js
     from deepinfer.engine import LLM, SamplingParams
 
     kw = (dict(gpu_memory_utilization=0.85) if args.device == "cuda" else dict(num_kv_blocks=256))
+    if args.quantization != "none":
+        kw["quantization"] = args.quantization
     # No prefix cache: the measured runs repeat the warm-up's prompts; HF recomputes their prefill too.
     llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
               deterministic=deterministic, max_model_len=args.prompt_len + args.output_len + 16,
@@ -167,6 +179,8 @@ def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: Js
               "tokens": [t[:8] for t in first[:4]],
               "kv_cache": {"bytes_per_token": llm.kv_cache_spec.bytes_per_token,
                            "num_blocks": llm.cache_cfg.num_blocks}}
+    if args.profile_steps:
+        result["profile"] = profiled_run(llm, prompts, sp, rec)
     dev = torch.device(args.device)
     result["mtp_verify"] = mtp_verify_cost(llm, len(prompts), args.prompt_len + args.output_len // 2,
                                            3, dev, iters=args.mtp_iters)
@@ -256,6 +270,10 @@ def main() -> None:
     ap.add_argument("--graphs-ab", action="store_true",
                     help="instead of --modes: CUDA graphs on vs off, deterministic, arms interleaved")
     ap.add_argument("--quantizations", default="none,fp8", help="--graphs-ab: engines to build (none, fp8)")
+    ap.add_argument("--quantization", default="none",
+                    help="--modes arms: LLM(quantization=...), e.g. fp8 (HF stays bf16)")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="one more run per deepinfer mode under torch.profiler: GPU busy, top kernels")
     args = ap.parse_args()
     shape = TINY if args.quick else V2_LITE
     if args.output_len is None:

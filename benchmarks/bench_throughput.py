@@ -35,8 +35,8 @@ from common import (
     compare_arms,
     measure_hf_runs,
     measure_runs,
+    profiled_run,
     spread,
-    timed_generate,
 )
 from shapes import PARAMS, write_shape
 
@@ -66,10 +66,7 @@ def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bo
     result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
               "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
     if profile_steps:
-        rec.reset()
-        with rec.profiled():
-            dt, _ = timed_generate(llm, prompts, sp, rec)
-        result["profile"] = {"seconds": dt, "per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+        result["profile"] = profiled_run(llm, prompts, sp, rec)
     return result  # the engine goes with this frame; main() then frees its GPU memory
 
 

@@ -79,6 +79,15 @@ def measure_runs(llm: Any, prompts: list, sp: Any, rec: StepRecorder, runs: int,
     return seconds, first
 
 
+def profiled_run(llm: Any, prompts: list, sp: Any, rec: StepRecorder) -> dict[str, Any]:
+    """One more `generate` under torch.profiler: its seconds, the GPU busy fraction and host ms per step
+    (by kind) and the top device kernels (`StepRecorder.profiled`)."""
+    rec.reset()
+    with rec.profiled():
+        dt, _ = timed_generate(llm, prompts, sp, rec)
+    return {"seconds": dt, "per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+
+
 def measure_hf_runs(model: Any, ids_all: torch.Tensor, batch: int, output_len: int, runs: int, out: JsonOut
                     ) -> tuple[list[float], int]:
     """transformers' greedy `generate` over every row of `ids_all`, `batch` rows a call, exactly

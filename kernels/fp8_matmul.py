@@ -281,9 +281,10 @@ def block_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weigh
 
 @triton.jit
 def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile_expert_ptr, tile_start_ptr,
-                        tile_end_ptr, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse,
-                        stride_bsn, stride_om, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_LOOP: tl.constexpr):
+                        tile_end_ptr, a_rows_ptr, N, K, stride_am, stride_asm, stride_be, stride_bn,
+                        stride_bse, stride_bsn, stride_om, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_LOOP: tl.constexpr,
+                        GATHER: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)
@@ -293,6 +294,8 @@ def _fp8_grouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile_expert_ptr, 
         offs_m = start + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.where(offs_m < end, offs_m, start).to(tl.int64)  # the tile's own first row: never stored
+        if GATHER:   # sorted row i reads row a_rows[i] of a (and of its scales): no gathered copy of a
+            rows = tl.load(a_rows_ptr + rows).to(tl.int64)
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         e = expert.to(tl.int64)
@@ -343,10 +346,16 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 def fp8_grouped_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        expert_offsets: torch.Tensor, out_dtype: torch.dtype, *, group: int = 128,
-                       invariant: bool = True, config: dict[str, int] | None = None) -> torch.Tensor:
-    """`fp8_grouped_linear` on rows already quantized by `quantize_act` (xq e4m3 [T, K], xs [T, K/group]):
-    the MoE quantizes each token once and gathers its rows per expert (kernels/fp8_moe.py)."""
-    t, k = xq.shape
+                       invariant: bool = True, config: dict[str, int] | None = None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_grouped_linear` on rows already quantized by `quantize_act` (xq e4m3, xs [., K/group]): the MoE
+    quantizes each token once (kernels/fp8_moe.py). With `rows` (int64 [T]), sorted row i is row rows[i]
+    of xq / xs (read in place, the same bits as gathering them first); else xq's T rows are the sorted
+    rows."""
+    t, k = (xq.shape[0] if rows is None else rows.shape[0]), xq.shape[1]
+    if rows is not None and (rows.dtype != torch.int64 or rows.ndim != 1 or rows.device != xq.device):
+        raise ValueError(f"rows: expected an int64 vector on {xq.device}, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
     num_experts, n = weight.shape[0], weight.shape[1]
     out = torch.empty((t, n), dtype=out_dtype, device=xq.device)
     if t == 0 or n == 0:
@@ -355,10 +364,11 @@ def fp8_grouped_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
     tile_expert, tile_start, tile_end = _tile_map(expert_offsets, t, cfg["BLOCK_M"])
     grid = (tile_expert.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     _fp8_grouped_kernel[grid](
-        xq, xs, weight, weight_scale, out, tile_expert, tile_start, tile_end, n, k,
+        xq, xs, weight, weight_scale, out, tile_expert, tile_start, tile_end,
+        rows if rows is not None else tile_start, n, k,   # tile_start: unread unless GATHER
         xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0),
         weight_scale.stride(1), out.stride(0), NUM_EXPERTS=num_experts, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, K_LOOP=cfg.get("K_LOOP", 0), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=group, K_LOOP=cfg.get("K_LOOP", 0), GATHER=rows is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -3,13 +3,14 @@
 `fp8_fused_moe` computes sum_k weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),
 e = ids[t, k], with block-scaled e4m3 expert weights (row scales per K-group, models/quant/fp8_experts.py):
 
-1. x is quantized per token and K-group (`quantize_act`, row-local), then its rows are gathered in the
-   order of a stable sort of the (token, slot) assignments by expert; the expert offsets come from a
+1. x is quantized per token and K-group (`quantize_act`, row-local); the first GEMM reads its rows in the
+   order of a stable sort of the (token, slot) assignments by expert, in place; the expert offsets come from a
    binary search of the sorted ids (all on the device: no host sync, CUDA-graph capturable).
-2. `fp8_grouped_matmul` through gate_up, silu(gate) * up (kernels/activation.py), the result quantized
-   again, `fp8_grouped_matmul` through down.
-3. The rows go back to (token, slot) order and slots are summed in slot order in float32
-   (`combine_experts`): no atomics.
+2. `fp8_grouped_matmul` through gate_up, silu(gate) * up quantized again in one kernel
+   (kernels/fp8_group_quant.py, bitwise kernels/activation.py then `quantize_act`), `fp8_grouped_matmul`
+   through down.
+3. Each token sums its slots' rows of the expert-sorted output in slot order in float32, reading them
+   where they lie (kernels/fused_moe.py's `combine_rows`, the bf16 path's combine): no atomics, no gather.
 
 Batch invariance (`invariant=True`): quantization, activation and combine are row-local and the grouped
 GEMM's tiles start at each expert's segment with a tile config from the weight shape only, so a token's
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import torch
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.activation import silu_and_mul
+from deepinfer.kernels.fp8_group_quant import silu_and_mul_group_quant
 from deepinfer.kernels.fp8_matmul import _check_weight, fp8_grouped_matmul, quantize_act
-from deepinfer.kernels.reference.moe import combine_experts
+from deepinfer.kernels.fused_moe import combine_rows
 
 __all__ = ["fp8_fused_moe"]
 
@@ -47,13 +48,11 @@ def fp8_fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     order = torch.sort(flat, stable=True).indices
     offsets = torch.searchsorted(flat[order], torch.arange(num_experts + 1, device=x.device))
     xq, xs = quantize_act(x, group)
-    token = order // top_k
-    # Gather the e4m3 rows through a byte view (indexing kernels cover uint8 on every torch version).
-    rows_q = xq.view(torch.uint8)[token].view(xq.dtype)
-    h = fp8_grouped_matmul(rows_q, xs[token], gate_up, gate_up_scale, offsets, x.dtype, group=group,
-                           invariant=invariant)
-    hq, hs = quantize_act(silu_and_mul(h), group)
+    # The first GEMM reads each sorted row's token in place (`rows`): no gathered copy of x.
+    h = fp8_grouped_matmul(xq, xs, gate_up, gate_up_scale, offsets, x.dtype, group=group,
+                           invariant=invariant, rows=order // top_k)
+    hq, hs = silu_and_mul_group_quant(h, group)       # bitwise quantize_act(silu_and_mul(h), group)
     y = fp8_grouped_matmul(hq, hs, down, down_scale, offsets, x.dtype, group=group, invariant=invariant)
-    back = torch.empty_like(order)
+    back = torch.empty_like(order)                    # (token, slot) -> its row of y
     back[order] = torch.arange(order.shape[0], device=x.device)
-    return combine_experts(y[back].view(num_tokens, top_k, -1), weights)
+    return combine_rows(y, weights, back, torch.empty_like(x))

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels.reference.fused_moe import check_fused_moe_args, check_swiglu_limit
 
-__all__ = ["fused_moe", "moe_align", "moe_tile_config"]
+__all__ = ["fused_moe", "moe_align", "moe_tile_config", "combine_rows"]
 
 
 def moe_tile_config(n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
@@ -211,8 +211,26 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
         IEEE=ieee, BLOCK_M=block_m, BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=cfg2["BLOCK_K"],
         num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"],
     )
+    return combine_rows(y, weights, row_of, out)
+
+
+def combine_rows(y: torch.Tensor, weights: torch.Tensor, row_of: torch.Tensor, out: torch.Tensor
+                 ) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * y[row_of[t * K + k]] (k in slot order, float32, one program per
+    token: no atomics), for expert-sorted rows y [rows, H] (contiguous), float32 weights [T, K] and the
+    flat (token, slot) -> row map row_of [T * K]; writes and returns out [T, H] (its dtype)."""
+    num_tokens, top_k = weights.shape
+    hidden = y.shape[1]
+    if (y.stride() != (hidden, 1) or row_of.shape != (num_tokens * top_k,)
+            or out.shape != (num_tokens, hidden)):
+        raise ValueError(f"combine_rows: y {tuple(y.shape)} (contiguous), row_of {tuple(row_of.shape)} and "
+                         f"out {tuple(out.shape)} must be [rows, H], [T*K] and [T, H] for weights "
+                         f"{tuple(weights.shape)}")
+    if num_tokens == 0:
+        return out
     block_h = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, weights, row_of, out, hidden, out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        y, weights.contiguous(), row_of.contiguous(), out, hidden, out.stride(0), TOP_K=top_k,
+        BLOCK_H=block_h, num_warps=4,
     )
     return out

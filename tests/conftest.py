@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import ray_local
+from tests.support import interpreted, ray_local
 from tests.support.tiny_models import TINY_ARCHS, make_tiny_checkpoint
 
 
@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The Triton-interpreter files run in one background process beside the rest of the suite.
+    interpreted.start_batch(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    interpreted.stop_batch(session)
 
 
 @pytest.hookimpl(trylast=True)

@@ -55,6 +55,27 @@ def test_fp8_fused_moe_matches_reference_and_is_row_local():
     assert torch.equal(alone, out[3:4])
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_grouped_gemm_reading_rows_in_place_gives_the_gathered_bits(block_m):
+    """`rows=` (sorted row i reads row rows[i] of the quantized activations) equals gathering the rows
+    first, bit for bit, tiles shorter than a segment and padded tail rows included."""
+    pytest.importorskip("triton")
+    from deepinfer.kernels.fp8_matmul import fp8_grouped_matmul, fp8_tile_config, quantize_act
+
+    gu, gus, _, _ = _experts(3)
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(4))
+    xq, xs = quantize_act(x, GROUP)
+    rows = torch.tensor([0, 0, 3, 6, 1, 5, 2, 2, 4, 6, 3, 1, 0, 5, 4, 6, 2, 1, 3], dtype=torch.int64)
+    offsets = torch.tensor([0, 2, 2, 19, 19])   # experts 1 and 3 empty, expert 2 longer than 16 rows
+    cfg = dict(fp8_tile_config(None, gu.shape[1], HIDDEN, GROUP), BLOCK_M=block_m)
+    gathered = fp8_grouped_matmul(xq.view(torch.uint8)[rows].view(xq.dtype), xs[rows], gu, gus, offsets,
+                                  torch.float32, group=GROUP, config=cfg)
+    in_place = fp8_grouped_matmul(xq, xs, gu, gus, offsets, torch.float32, group=GROUP, config=cfg, rows=rows)
+    assert torch.equal(in_place, gathered)
+    with pytest.raises(ValueError, match="rows: expected an int64 vector"):
+        fp8_grouped_matmul(xq, xs, gu, gus, offsets, torch.float32, group=GROUP, rows=rows.to(torch.int32))
+
+
 def test_tiny_deepseek_v3_moe_layer_with_fp8_experts_matches_reference():
     pytest.importorskip("triton")
     from deepinfer.engine.layers.cpu_ops import CpuInvariantOps

@@ -13,6 +13,10 @@ on a 2-core CI machine), so the first launcher a session runs starts ONE process
 of every launcher the session collected, and each launcher then checks its own file's results (the junit
 report of that run, kept in the session's stash). A session that collected one launcher runs one file.
 
+The batch starts in the background as soon as collection ends (`start_batch`, from tests/conftest.py), so
+on a multi-core machine it runs beside the rest of the suite; the first launcher waits for it. Under
+pytest-xdist (each worker collects everything) the first launcher starts it instead, as before.
+
 The interpreted file itself begins with `skip_unless_interpreting(...)` and gets its kernel module through
 `interpreted_kernels(...)`, which checks the kernels really were built for the interpreter.
 """
@@ -20,7 +24,9 @@ The interpreted file itself begins with `skip_unless_interpreting(...)` and gets
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,18 +120,71 @@ def _parse(report: Path, paths: list[str]) -> dict[str, FileResult]:
     return results
 
 
-def _run_batch(paths: list[str]) -> Batch:
+@dataclass
+class _Running:
+    """A batch started in the background: its process, report directory and files."""
+
+    proc: subprocess.Popen
+    tmp: Path
+    paths: list[str]
+
+    def wait(self) -> Batch:
+        note = ""
+        try:
+            self.proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            note = f"\n(killed after {TIMEOUT_S} s)"
+        try:
+            out = (self.tmp / "output.txt").read_text(errors="replace") + note
+            report = self.tmp / "junit.xml"
+            results = _parse(report, self.paths) if report.exists() else {}
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return Batch(results, self.proc.returncode, out[-8000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_RUNNING = pytest.StashKey[_Running]()
+
+
+def _start(paths: list[str]) -> _Running:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "junit.xml"
-        # A file that fails to import must not stop the others (each launcher reports its own file);
-        # junit_family xunit1: classnames are dotted module paths, which name each test's file.
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={report}", *paths]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        tail = (proc.stdout + proc.stderr)[-8000:]
-        results = _parse(report, paths) if report.exists() else {}
-    return Batch(results, proc.returncode, tail)
+    tmp = Path(tempfile.mkdtemp(prefix="interpreted-"))
+    # A file that fails to import must not stop the others (each launcher reports its own file);
+    # junit_family xunit1: classnames are dotted module paths, which name each test's file.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={tmp / 'junit.xml'}",
+           *paths]
+    # Output to a file, not a pipe: nobody reads a pipe while the suite runs, and a full one would stall it.
+    with open(tmp / "output.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return _Running(proc, tmp, paths)
+
+
+def start_batch(session: pytest.Session) -> None:
+    """Start the session's interpreted batch in the background (pytest_collection_finish): nothing to do
+    when this process interprets already, no launcher was collected, Triton is absent, or this is an xdist
+    worker (which runs only some launchers; the first of them starts what it needs)."""
+    if INTERPRETING or os.environ.get("PYTEST_XDIST_WORKER") or importlib.util.find_spec("triton") is None:
+        return
+    wanted = _wanted(session)
+    if wanted:
+        session.stash[_RUNNING] = _start(wanted)
+
+
+def stop_batch(session: pytest.Session) -> None:
+    """Kill a background batch no launcher waited for (an interrupted or filtered-down session)."""
+    running = session.stash.get(_RUNNING, None)
+    if running is not None:
+        running.stop()
+        del session.stash[_RUNNING]
 
 
 def run_interpreted(request: pytest.FixtureRequest, what: str, *, allow_skips: bool = True) -> None:
@@ -136,9 +195,12 @@ def run_interpreted(request: pytest.FixtureRequest, what: str, *, allow_skips: b
     if mark is None:
         raise ValueError(f"{request.node.nodeid}: decorate the launcher with @launches(path, ...)")
     stash = request.session.stash
+    if _BATCH not in stash and _RUNNING in stash:
+        stash[_BATCH] = stash[_RUNNING].wait()
+        del stash[_RUNNING]
     if _BATCH not in stash or any(p not in stash[_BATCH].results for p in mark.args):
         wanted = _wanted(request.session)
-        stash[_BATCH] = _run_batch(wanted if set(mark.args) <= set(wanted) else list(mark.args))
+        stash[_BATCH] = _start(wanted if set(mark.args) <= set(wanted) else list(mark.args)).wait()
     for path in mark.args:
         _check(stash[_BATCH], path, what, allow_skips)
 
