@@ -217,6 +217,13 @@ class _CudaOps(Ops):
 
         return QuantizedActivation(*silu_and_mul_group_quant(x, group), x.dtype, group)
 
+    def sum_last_in_order(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.ndim != 2 or x.shape[1] == 0:
+            return super().sum_last_in_order(x)
+        from deepinfer.kernels.row_sum import row_sum_in_order
+
+        return row_sum_in_order(x.contiguous())
+
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                            down_scale: torch.Tensor, group: int) -> torch.Tensor:

@@ -44,9 +44,10 @@ class TopkRouter(nn.Module):
         if cfg.topk_method == "noaux_tc":
             return route_noaux_tc(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
                                   cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                  invariant=invariant)
+                                  invariant=invariant, sum_last=self.ops.sum_last_in_order)
         return route_softmax(logits, cfg.num_experts_per_tok, cfg.topk_method, cfg.n_group, cfg.topk_group,
-                             cfg.routed_scaling_factor, invariant=invariant)
+                             cfg.routed_scaling_factor, invariant=invariant,
+                             sum_last=self.ops.sum_last_in_order)
 
 
 class FusedExperts(nn.Module):

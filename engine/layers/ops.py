@@ -220,6 +220,14 @@ class Ops:
                                 for h in range(num_heads)], dim=1)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
+    def sum_last_in_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the last dim, left to right, one term at a time (the invariant MoE routers' row sums).
+        Shared version: one torch add per term (kernels/reference/moe.py); CUDA backends: one kernel with
+        the same bits (kernels/row_sum.py)."""
+        from deepinfer.kernels.reference.moe import sum_last_in_order
+
+        return sum_last_in_order(x)
+
     def routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        gate_up: torch.Tensor, down: torch.Tensor,
                        swiglu_limit: float | None = None) -> torch.Tensor:

@@ -6,8 +6,9 @@ greedy). Both return the chosen experts sorted by expert id, so that the weighte
 (`combine_experts`) runs in one fixed order, the order transformers' per-expert loop adds them in.
 
 With `invariant=True` every step is row-local with one fixed code path (transcendentals via `fixed_path`,
-sums written out term by term), so a token's routing and result never depend on the other tokens of the
-batch. `moe_ref` is the plain end-to-end reference the layer is tested against.
+sums written out term by term: `sum_last`, whose bits a backend's kernel must keep), so a token's routing
+and result never depend on the other tokens of the batch. `moe_ref` is the plain end-to-end reference the
+layer is tested against.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from deepinfer.kernels.reference.pointwise import fixed_path
 
+# `sum_last_in_order` or a kernel with its bits (kernels/row_sum.py): the invariant routers' row sums.
+SumLast = Callable[[torch.Tensor], torch.Tensor]
 
-def _sum_last(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim, left to right, one term at a time (no reduction kernel whose split varies)."""
+
+def sum_last_in_order(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, left to right, one term at a time (no reduction kernel whose split varies).
+    kernels/row_sum.py is the same arithmetic in one launch (CUDA backends pass it as `sum_last`)."""
     total = x[..., 0]
     for j in range(1, x.shape[-1]):
         total = total + x[..., j]
@@ -45,7 +50,8 @@ def _sorted_choice(scores: torch.Tensor, choice: torch.Tensor, top_k: int
 
 def route_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
                    topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, *,
-                   invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   invariant: bool = False, sum_last: SumLast = sum_last_in_order
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: float32 router logits [T, E] -> (weights [T, K] float32, expert ids [T, K]).
 
     Scores are sigmoid(logits); the choice ranks scores + correction_bias, keeping the `topk_group` groups
@@ -60,14 +66,15 @@ def route_noaux_tc(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: i
     mask = _group_mask(group_scores, topk_group, num_experts)
     weights, ids = _sorted_choice(scores, choice.masked_fill(~mask, float("-inf")), top_k)
     if norm_topk_prob:
-        denom = (_sum_last(weights) if invariant else weights.sum(dim=-1)) + 1e-20
+        denom = (sum_last(weights) if invariant else weights.sum(dim=-1)) + 1e-20
         weights = weights / denom.unsqueeze(-1)
     return weights * routed_scaling_factor, ids
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, topk_method: str, n_group: int | None,
                   topk_group: int | None, routed_scaling_factor: float, *,
-                  invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  invariant: bool = False, sum_last: SumLast = sum_last_in_order
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V2 routing: softmax scores, `greedy` or `group_limited_greedy` top-k, times the scaling.
 
     group_limited_greedy keeps the `topk_group` groups with the highest single expert score and zeroes the
@@ -77,7 +84,7 @@ def route_softmax(logits: torch.Tensor, top_k: int, topk_method: str, n_group: i
     if invariant:
         shifted = logits - logits.amax(dim=-1, keepdim=True)
         exp = fixed_path(torch.exp, shifted)
-        scores = exp / _sum_last(exp).unsqueeze(-1)
+        scores = exp / sum_last(exp).unsqueeze(-1)
     else:
         scores = logits.softmax(dim=-1, dtype=torch.float32)
     if topk_method == "greedy":

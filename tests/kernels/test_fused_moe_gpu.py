@@ -52,3 +52,21 @@ def test_fused_moe_token_bits_do_not_depend_on_other_tokens(weights):
     crowd_x = torch.cat([x[:1], torch.randn(89, HIDDEN, device=CUDA).bfloat16()])
     crowd = fused_moe(crowd_x, crowd_ids, w[:1].expand(90, -1).contiguous(), *weights)
     assert torch.equal(crowd[0], full[0])
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (128, 64), (4097, 8), (33, 160)])
+def test_row_sum_in_order_gives_the_torch_loops_bits_on_the_device(rows, cols):
+    """The routers' one-launch row sum (kernels/row_sum.py) against their torch loop on the GPU, and a
+    router's softmax through the CUDA backend against the shared (torch) one: the same bits."""
+    from deepinfer.engine.layers.cuda_ops import CudaInvariantOps
+    from deepinfer.kernels.reference.moe import route_softmax, sum_last_in_order
+    from deepinfer.kernels.row_sum import row_sum_in_order
+
+    gen = torch.Generator(device=CUDA).manual_seed(rows)
+    x = torch.randn(rows, cols, device=CUDA, generator=gen).exp() * 1e3
+    assert torch.equal(row_sum_in_order(x), sum_last_in_order(x))
+    logits = torch.randn(rows, cols, device=CUDA, generator=gen)
+    ours = route_softmax(logits, 6 if cols >= 6 else 1, "greedy", None, None, 1.0, invariant=True,
+                         sum_last=CudaInvariantOps().sum_last_in_order)
+    shared = route_softmax(logits, 6 if cols >= 6 else 1, "greedy", None, None, 1.0, invariant=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, shared, strict=True))

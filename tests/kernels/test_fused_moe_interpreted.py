@@ -117,3 +117,31 @@ def test_fused_moe_rejects_bad_arguments(moe, change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         moe.fused_moe(**args)
+
+
+@pytest.mark.parametrize(("rows", "cols", "stride_pad"), [
+    (1, 1, 0), (3, 8, 0), (130, 64, 0), (257, 65, 3), (5, 160, 1),
+])
+def test_row_sum_in_order_gives_the_torch_loops_bits(rows, cols, stride_pad):
+    """kernels/row_sum.py: one launch, the same left-to-right float32 adds as the routers' torch loop
+    (`sum_last_in_order`), bit for bit, rows of any stride; a row's sum does not depend on the others."""
+    from deepinfer.kernels.reference.moe import sum_last_in_order
+
+    mod = interpreted_kernels("row_sum")
+    # Values spanning many binades: a different summation order would show in the low bits.
+    base = _rand(rows, cols + stride_pad, seed=rows + cols).exp() * 1e3
+    x = base[:, :cols]
+    out = mod.row_sum_in_order(x)
+    assert torch.equal(out, sum_last_in_order(x))
+    assert torch.equal(mod.row_sum_in_order(x[-1:].contiguous()), out[-1:])
+
+
+@pytest.mark.parametrize(("x", "match"), [
+    (torch.zeros(4, 8, dtype=torch.float64), "dtype"),
+    (torch.zeros(4, 0), "at least one column"),
+    (torch.zeros(8), "ndim|rank|dimension"),
+])
+def test_row_sum_in_order_rejects_bad_input(x, match):
+    mod = interpreted_kernels("row_sum")
+    with pytest.raises(ValueError, match=match):
+        mod.row_sum_in_order(x)
