@@ -10,7 +10,8 @@ producer), fp8_group_quant (the same per token and K-group, for the block-scaled
 (block_linear, BlockPlanner: the block-scaled GEMM's proven M-bucket tiles, its data-driven table),
 fp8_moe (fp8_fused_moe), kv_fp8 (store_kv_fp8), MLA:
 store_mla, mla_proj (head_proj), mla_decode (mla_decode, split-KV), MoE:
-fused_moe (fused_moe, moe_align), DeepSeek-V4: v4_attention (v4_sink_attention, gathered sink attention
+fused_moe (fused_moe, moe_align, combine_rows), row_sum (row_sum_in_order: the invariant routers' row
+sums in one launch), DeepSeek-V4: v4_attention (v4_sink_attention, gathered sink attention
 by slot), v4_indexer (indexer_scores, the Lightning Indexer). Importing this package does not import
 Triton; import the kernel modules only after `triton_available()` says they can run.
 """
