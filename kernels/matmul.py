@@ -69,6 +69,11 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.split_k={self.split_k}: must be in 1..64")
 
 
+# float32 weights at most this wide with K at least this long take a fixed split-K (matmul_config).
+_NARROW_F32_N = 256
+_NARROW_F32_MIN_K = 1024
+
+
 def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile config for a weight of shape [n, k]. Depends on the weight only, never on M.
 
@@ -76,6 +81,12 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     128x128 so a decode step (M <= 128) still spreads over more SMs.
     """
     if dtype == torch.float32:
+        if n <= _NARROW_F32_N and k >= _NARROW_F32_MIN_K:
+            # A MoE router (float32, 64-256 experts, K = hidden): a decode step has one or two row tiles
+            # and one column tile, so without a split one or two programs walked all of K (~100 us per
+            # layer on V2-Lite). A fixed split from K alone keeps the order M-independent.
+            return MatmulConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=3,
+                                split_k=min(16, max(1, triton.cdiv(k, 32) // 4)))
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
     if (n, k) in _TUNED:   # a tuned weight shape (below): its open-ended bucket's config
         return _TUNED[(n, k)][-1][1]
@@ -123,7 +134,7 @@ def _bucket_configs(n: int, k: int, dtype: torch.dtype) -> tuple[tuple[int | Non
     64x256 / 128x256 tiles; prefill-sized M takes persistent 128x256, 3 stages (4 for wide weights).
     """
     if dtype == torch.float32:
-        return ((None, matmul_config(n, 0, dtype)),)
+        return ((None, matmul_config(n, k, dtype)),)
     if (n, k) in _TUNED:
         return _TUNED[(n, k)]
     if n >= 8192:

@@ -62,3 +62,20 @@ def test_split_k_is_the_fixed_order_sum_of_single_chain_partials(mm):
 def test_split_k_config_is_checked(mm):
     with pytest.raises(ValueError, match="split_k"):
         mm.MatmulConfig(block_m=16, block_n=16, block_k=16, split_k=0)
+
+
+@pytest.mark.parametrize("n,k,split", [
+    (64, 2048, 16),    # DeepSeek-V2-Lite's router: 64 experts over hidden 2048
+    (256, 1024, 8),    # 256 experts (V3's count) over a shorter K
+])
+def test_float32_routers_take_a_split_from_k_alone_and_match_the_reference(mm, n, k, split):
+    """Narrow float32 weights with a long K (MoE routers) split K into a fixed number of ranges (from K,
+    never M), so a decode step runs more than one or two programs; the result still matches."""
+    cfg = mm.matmul_config(n, k, torch.float32)
+    assert cfg.split_k == split
+    assert all(c.split_k == split for _, c in mm._bucket_configs(n, k, torch.float32))
+    assert mm.matmul_config(512, k, torch.float32).split_k == 1      # wider: enough column tiles
+    assert mm.matmul_config(n, 512, torch.float32).split_k == 1      # short K: nothing to split
+    x = _rand(3, k, seed=7)
+    w = _rand(n, k, seed=8) / k**0.5
+    torch.testing.assert_close(mm.bi_linear(x, w), bi_linear_ref(x, w), atol=1e-5, rtol=1e-5)
