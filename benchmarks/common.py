@@ -241,8 +241,8 @@ def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
     events = prof.events()
     starts = sorted(e.time_range.start for e in events if e.name == mark)
     windows = list(zip(starts, starts[1:]))
-    kernels = _merge([(e.time_range.start, e.time_range.end) for e in events
-                      if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA])
+    device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    kernels = _merge([(e.time_range.start, e.time_range.end) for e in device_events])
     if not kernels or len(windows) != len(kinds):
         return {"available": False, "windows": len(windows), "steps": len(kinds), "kernels": len(kernels)}
     per_kind: dict[str, list[tuple[float, float]]] = {}
@@ -250,14 +250,34 @@ def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
         busy = sum(min(e, ke) - max(s, ks) for ks, ke in kernels if ke > s and ks < e)
         per_kind.setdefault(kind, []).append((busy, e - s))
     out: dict[str, Any] = {"available": True}
+    top = _kernels_by_kind(device_events, starts, kinds)
     for kind, rows in per_kind.items():
         fracs = spread([b / w for b, w in rows if w > 0])
         del fracs["runs"]
         out[kind] = {"steps": len(rows), "busy_fraction": fracs,
                      "gpu_ms_per_step_median": statistics.median(b / 1000 for b, _ in rows),
                      "host_ms_per_step_median": statistics.median(w / 1000 for _, w in rows),
-                     "busy_fraction_overall": sum(b for b, _ in rows) / max(1e-9, sum(w for _, w in rows))}
+                     "busy_fraction_overall": sum(b for b, _ in rows) / max(1e-9, sum(w for _, w in rows)),
+                     "top_kernels_us_per_step": top.get(kind, {})}
     return out
+
+
+def _kernels_by_kind(device_events: list, starts: list[float], kinds: list[str], limit: int = 12
+                     ) -> dict[str, dict[str, float]]:
+    """Per step kind, the device kernels taking the most time: µs per step of that kind, by name (a kernel
+    counts for the step whose window it starts in)."""
+    import bisect
+
+    totals: dict[str, dict[str, float]] = {}
+    for ev in device_events:
+        i = bisect.bisect_right(starts, ev.time_range.start) - 1
+        if 0 <= i < len(kinds):
+            by_name = totals.setdefault(kinds[i], {})
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.end - ev.time_range.start
+    steps = {k: kinds.count(k) for k in set(kinds)}
+    return {kind: {name[:80]: round(us / steps[kind], 1)
+                   for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:limit]}
+            for kind, by_name in totals.items()}
 
 
 def finish_sweep(rows: list[dict[str, Any]], out: str | Path | None, started: float) -> int:
