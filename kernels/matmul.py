@@ -83,8 +83,9 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if dtype == torch.float32:
         if n <= _NARROW_F32_N and k >= _NARROW_F32_MIN_K:
             # A MoE router (float32, 64-256 experts, K = hidden): a decode step has one or two row tiles
-            # and one column tile, so without a split one or two programs walked all of K (~100 us per
-            # layer on V2-Lite). A fixed split from K alone keeps the order M-independent.
+            # and one column tile, so without a split one or two programs walked all of K (177 us per call
+            # on average in a V2-Lite profile, benchmarks/RESULTS.md 2026-12-02 14:45). A fixed split from K
+            # alone keeps the order M-independent.
             return MatmulConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=3,
                                 split_k=min(16, max(1, triton.cdiv(k, 32) // 4)))
         return MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
