@@ -55,3 +55,12 @@ def gpu_like_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builder, "create_dot", create_dot)
     monkeypatch.setattr(builder, "cast_impl", cast_impl)
     monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def float32_or_gpu_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """The dtype a test runs in: float32, or bfloat16 with the interpreter patched by `gpu_like_bf16`.
+    A test module binds it to its own fixture name (`dtype = float32_or_gpu_bf16`)."""
+    if request.param == torch.bfloat16:
+        gpu_like_bf16(monkeypatch)   # casts round to nearest even, as on the GPU
+    return request.param

@@ -19,7 +19,7 @@ from deepinfer.kernels.reference.fp8_fused_quant import (
 )
 from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref
 
-from tests.kernels.interpreter_bf16 import gpu_like_bf16
+from tests.kernels.interpreter_bf16 import float32_or_gpu_bf16
 from tests.kernels.test_fp8_fused_quant_interpreted import _near, _same, _x
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 
@@ -32,11 +32,7 @@ def km():
                                                          "activation", "fp8_block_tma")}
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def dtype(request, monkeypatch):
-    if request.param == torch.bfloat16:
-        gpu_like_bf16(monkeypatch)   # casts round to nearest even, as on the GPU
-    return request.param
+dtype = float32_or_gpu_bf16   # the tests' `dtype` fixture: float32, and bfloat16 with the GPU's roundings
 
 
 @pytest.mark.parametrize("h,group", [(1, 16), (48, 16), (100, 32), (256, 64), (300, 128), (64, 128)])

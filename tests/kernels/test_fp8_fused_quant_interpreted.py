@@ -18,7 +18,7 @@ from deepinfer.kernels.reference.fp8_fused_quant import (
     silu_and_mul_quant_ref,
 )
 
-from tests.kernels.interpreter_bf16 import gpu_like_bf16
+from tests.kernels.interpreter_bf16 import float32_or_gpu_bf16
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 
 skip_unless_interpreting("tests/kernels/test_fp8_fused_quant_cpu.py")
@@ -30,11 +30,7 @@ def km():
                                                          "activation", "fp8_rowwise", "fp8_split_quant")}
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def dtype(request, monkeypatch):
-    if request.param == torch.bfloat16:
-        gpu_like_bf16(monkeypatch)   # casts round to nearest even, as on the GPU
-    return request.param
+dtype = float32_or_gpu_bf16   # the tests' `dtype` fixture: float32, and bfloat16 with the GPU's roundings
 
 
 def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
