@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import JsonOut, StepRecorder, spread
+from common import JsonOut, StepRecorder, profiled_run, spread
 
 SHAPES = {
     "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -162,10 +162,7 @@ def run_engine_alone(model_dir: str, data: Path, args: argparse.Namespace, out: 
     result = {"arm": "engine", "seconds": spread(seconds), "output_tokens": n_out,
               "prompt_tokens": sum(map(len, prompts)), "steps": rec.host_summary()}
     if args.profile_steps:
-        rec.reset()
-        with rec.profiled():
-            one()
-        result["profile"] = {"per_step": rec.gpu_busy, "top_kernels": rec.profile_table}
+        result["profile"] = profiled_run(llm, prompts, sp, rec)
     # The pipeline arms run in subprocesses that need the GPU memory this engine holds: the engine goes
     # with this frame, and main() collects it.
     return result
