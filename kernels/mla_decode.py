@@ -68,7 +68,6 @@ def mla_tile_config(num_heads: int, rank: int, rope_dim: int, dtype: torch.dtype
             "num_warps": 4, "num_stages": 2}
 
 
-
 def fast_split_policy(meta: AttentionMetadata, num_heads: int, device: torch.device) -> SplitPolicy:
     """Fast (not batch-invariant) mode: split decode steps whose programs would not fill the GPU.
 
