@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from benchmarks.fp8_gemm_timing import _weights, graph_time
+from benchmarks.fp8_gemm_timing import _weights, gemm_arms, graph_time
 
 BLOCK_MS = (1, 16, 64, 128, 256, 2048, 16384)
 # Rows compared across M for batch invariance (all of them below this).
@@ -39,14 +39,11 @@ def _calls(m: int) -> int:
 
 
 def _peer_fns(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, object]:
+    """The peers (`_PEERS`): fp8_gemm_timing's arms where it has them, and torch's block-wise _scaled_mm."""
     from deepinfer.kernels import fp8_matmul as fm
-    from deepinfer.kernels import fp8_rowwise as fr
-    from deepinfer.kernels.bucket_planner import bucket_for
 
+    arms = gemm_arms(x, wts)
     m, k = x.shape
-    n = wts["w"].shape[0]
-    xq_r, xs_r = fr.quantize_rows(x)
-    row_cfg = bucket_for(fr.rowwise_buckets(n, k), m)
     xq_b, xs_b = fm.quantize_act(x, 128)
     # cuBLASLt's block-wise FP8 wants M a multiple of 4 and the activation scales M-major; the weight scales
     # are the checkpoint's [N/128, K/128] block scales, K-major (torch's test_scaled_mm_block_wise_numerics).
@@ -55,14 +52,12 @@ def _peer_fns(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, object
     xs_p = torch.cat([xs_b, xs_b.new_ones(pad, xs_b.shape[1])]) if pad else xs_b
     xs_mmajor = xs_p.t().contiguous().t()
     return {
-        "rowwise_bucket": lambda: fr.rowwise_matmul(xq_r, xs_r, wts["row_q"], wts["row_s"], None,
-                                                    torch.bfloat16, row_cfg),
-        "scaled_mm_rowwise": lambda: torch._scaled_mm(xq_r, wts["row_q"].T, scale_a=xs_r,
-                                                      scale_b=wts["row_s_t"], out_dtype=torch.bfloat16),
+        "rowwise_bucket": arms["rowwise_bucket_alone"],
+        "scaled_mm_rowwise": arms["scaled_mm_rowwise_alone"],
         "scaled_mm_block": lambda: torch._scaled_mm(xq_p, wts["block_q"].T, scale_a=xs_mmajor,
                                                     scale_b=wts["block_inv"].t(), out_dtype=torch.bfloat16),
-        "cublas_bf16": lambda: x @ wts["w"].T,
-        "quantize_act": lambda: fm.quantize_act(x, 128),
+        "cublas_bf16": arms["cublas_bf16"],
+        "quantize_act": arms["quant_block"],
     }
 
 

@@ -63,6 +63,7 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
     pre-quantized activations, `quant_*` the quantization alone."""
     from deepinfer.kernels import fp8_matmul as fm
     from deepinfer.kernels import fp8_rowwise as fr
+    from deepinfer.kernels.bucket_planner import bucket_for
 
     m, k = x.shape
     n = wts["w"].shape[0]
@@ -72,7 +73,7 @@ def gemm_arms(x: torch.Tensor, wts: dict[str, torch.Tensor]) -> dict[str, Callab
     row = fr.rowwise_tile_config(None, n, k)
     # The invariant planner's config for this M where the device proves the buckets equal (kernels/
     # fp8_rowwise.RowwisePlanner), and the single config with pointer loads (before TMA).
-    bucket = next(cfg for max_m, cfg in fr.rowwise_buckets(n, k) if max_m is None or m <= max_m)
+    bucket = bucket_for(fr.rowwise_buckets(n, k), m)
     row_ptr = {key: v for key, v in row.items() if key not in ("TMA", "PERSISTENT")}
     bq, bs, rq, rs, rs_t = wts["block_q"], wts["block_s"], wts["row_q"], wts["row_s"], wts["row_s_t"]
 
