@@ -162,16 +162,28 @@ def mtp_verify_cost(llm, batch: int, context: int, max_draft: int, device: torch
     return {"batch": batch, "context": context, "by_draft_len": result}
 
 
-def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: JsonOut, mode: str) -> dict:
-    from deepinfer.engine import LLM, SamplingParams
+def _engine(model_dir: Path, prompts, args, *, deterministic: bool, quantization: str | None, **extra):
+    """The benchmark's engine: dummy weights, room for every prompt at once, no prefix cache (the measured
+    runs repeat the warm-up's prompts; HF recomputes their prefill too)."""
+    from deepinfer.engine import LLM
 
     kw = (dict(gpu_memory_utilization=0.85) if args.device == "cuda" else dict(num_kv_blocks=256))
-    if args.quantization != "none":
-        kw["quantization"] = args.quantization
-    # No prefix cache: the measured runs repeat the warm-up's prompts; HF recomputes their prefill too.
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
-              deterministic=deterministic, max_model_len=args.prompt_len + args.output_len + 16,
-              max_num_seqs=len(prompts), max_num_batched_tokens=16384, enable_prefix_caching=False, **kw)
+    return LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
+               deterministic=deterministic, quantization=quantization,
+               max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=len(prompts),
+               max_num_batched_tokens=16384, enable_prefix_caching=False, **kw, **extra)
+
+
+def _quantization(name: str) -> str | None:
+    """A --quantization / --quantizations entry as LLM(quantization=...): none and bf16 mean None."""
+    return None if name in ("none", "bf16") else name
+
+
+def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: JsonOut, mode: str) -> dict:
+    from deepinfer.engine import SamplingParams
+
+    llm = _engine(model_dir, prompts, args, deterministic=deterministic,
+                  quantization=_quantization(args.quantization))
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rec = StepRecorder(llm)
     seconds, first = measure_runs(llm, prompts, sp, rec, args.runs, out, mode)
@@ -190,13 +202,10 @@ def bench_deepinfer(model_dir: Path, prompts, args, deterministic: bool, out: Js
 def bench_graphs_ab(model_dir: Path, prompts, args, out: JsonOut, quantization: str | None) -> dict:
     """Deterministic mode, graphs on vs off on one engine (benchmarks/graphs_ab.py), greedy, every request
     `--output-len` tokens; out tok/s per arm from each run's seconds."""
-    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine import SamplingParams
 
-    kw = (dict(gpu_memory_utilization=0.85) if args.device == "cuda" else dict(num_kv_blocks=256))
-    llm = LLM(model=str(model_dir), dtype=args.dtype, device=args.device, load_format="dummy",
-              deterministic=True, quantization=quantization, cuda_graph_capture="lazy",
-              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=len(prompts),
-              max_num_batched_tokens=16384, enable_prefix_caching=False, **kw)
+    llm = _engine(model_dir, prompts, args, deterministic=True, quantization=quantization,
+                  cuda_graph_capture="lazy")
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     label = f"deterministic-{quantization or 'bf16'}"
     r = graphs_ab(llm, prompts, sp, args.runs, out, label)
@@ -210,7 +219,7 @@ def bench_graphs_ab(model_dir: Path, prompts, args, out: JsonOut, quantization: 
 def run_graphs_ab(args, model_dir: Path, prompts, out: JsonOut) -> dict:
     rows = {}
     for q in args.quantizations.split(","):
-        quant = None if q in ("none", "bf16") else q
+        quant = _quantization(q)
         r = bench_graphs_ab(model_dir, prompts, args, out, quant)
         gc.collect()
         if torch.cuda.is_available():
