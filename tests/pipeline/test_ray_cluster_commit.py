@@ -123,14 +123,17 @@ def test_a_removed_committer_lease_stays_removed_and_fences_its_writer(tmp_path)
     from deepinfer.pipeline.output.storage import open_fs
 
     fs, root = open_fs(str(tmp_path / "out"))
-    lease = Lease(fs, root, ttl_s=0.2, role="committer", driver="d")
+    # A TTL a loaded 2-core CI machine keeps: with 0.2 s (fresh means written in the last 0.1 s) the first
+    # check below failed once when the process was not scheduled for 0.1 s.
+    ttl = 2.0
+    lease = Lease(fs, root, ttl_s=ttl, role="committer", driver="d")
     lease.acquire()
     assert lease.held_since(time.monotonic() - 0.01)
     fs.rm(lease.path)  # its driver finished the job (or another run judged it dead)
     deadline = time.monotonic() + 30
     while lease.held_since(0.0) and time.monotonic() < deadline:  # the next heartbeat notices
         time.sleep(0.05)
-    time.sleep(0.2)  # more heartbeats would have written it again by now
+    time.sleep(ttl)  # four more heartbeats (every ttl / 4) would have written it again by now
     assert not fs.exists(lease.path) and not lease.held_since(0.0)
     lease.set_parts(["00000-0000000000"])  # a lost lease writes nothing more
     assert not fs.exists(lease.path)
