@@ -61,9 +61,23 @@ def _cfg(m: int, n: int = 64, warps: int = 4, stages: int = 3, swap: int = 0, f1
             "SWAP": swap, "FP16_KV": f16, "V_NAT": vnat}
 
 
-def _pair(n: int = 64, warps: int = 4, stages: int = 3, **kw) -> tuple[dict, dict]:
-    """(16-row transposed decode config, 64-row transposed prefill config) sharing the KV tiles."""
-    return (_cfg(16, n, warps, stages, swap=1, **kw), _cfg(64, n, warps, stages, swap=1, **kw))
+def _pair(n: int = 64, warps: int = 4, stages: int = 3, pre_m: int = 64, **kw) -> tuple[dict, dict]:
+    """(16-row transposed decode config, `pre_m`-row transposed prefill config) sharing the KV tiles."""
+    return (_cfg(16, n, warps, stages, swap=1, **kw), _cfg(pre_m, n, warps, stages, swap=1, **kw))
+
+
+def _plain(n: int = 64, warps: int = 4, stages: int = 2, pre_m: int = 32, **kw) -> tuple[dict, dict]:
+    """(16-row untransposed decode config, `pre_m`-row untransposed prefill config). Below 64 rows the
+    untransposed tile compiles to mma.sync for both (wgmma needs M % 64 == 0), and with BLOCK_M < BLOCK_N
+    Triton lays the warps out along the keys for both, so a row's arithmetic is the same in either."""
+    return (_cfg(16, n, warps, stages, **kw), _cfg(pre_m, n, warps, stages, **kw))
+
+
+def _shipped(sh: Shape, fp8: bool) -> tuple[dict, dict]:
+    """(decode config, prefill config) the engine runs for these heads and cache."""
+    from deepinfer.kernels.paged_attention import attention_tile_config
+
+    return tuple(attention_tile_config(sh.group, sh.d, BF16, kv_fp8=fp8, decode=dec) for dec in (True, False))
 
 
 def _fit(cfg: dict, group: int) -> dict:
@@ -79,24 +93,39 @@ def _scales(hkv: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(hkv, device=DEV, generator=gen) * 0.05 + 0.01)
 
 
-# cache -> name -> (decode config, prefill config). "cur" is the shipped config (kernels/paged_attention.py,
-# attention_tile_config), listed first: eq_cur compares the other arms' decode rows with its. vnat: value
-# tiles loaded in memory order and transposed in registers (V_NAT). benchmarks/RESULTS.md has the arms that
-# lost (2026-12-02 05:10: e4m3 bit conversion, split-KV, 8 warps, 256-key tiles).
+# cache -> name -> (decode config, prefill config). "cur" (None here) is the shipped config of each shape
+# (kernels/paged_attention.py, attention_tile_config), listed first: eq_cur compares the other arms' decode
+# rows with its. vnat: value tiles loaded in memory order and transposed in registers (V_NAT); mma2: the
+# untransposed mma.sync tiles. benchmarks/RESULTS.md has the arms that lost (2026-12-02 05:10: e4m3 bit
+# conversion, split-KV, 8 warps, 256-key tiles; 2026-12-02 evening: the mma2 arms on e4m3, each key
+# tile's products as two halves of MMAs).
 ARMS = {   # in order of interest: the budget guard drops the tail
     "bf16": {
-        "cur": _pair(64, stages=2, vnat=1),
+        "cur": None,
+        "swap_vnat": _pair(64, stages=2, vnat=1),
         "no_vnat": _pair(64, stages=2),
         "vnat_s3": _pair(64, stages=3, vnat=1),
         "n32s3vnat": _pair(32, stages=3, vnat=1),
+        "mma2_n64s2": _plain(64),
+        "mma2_n128s2": _plain(128),
+        "mma2_n64s3": _plain(64, stages=3),
+        "mma2_n128s2_p16": _plain(128, pre_m=16),
     },
     "e4m3": {
-        "cur": _pair(128, f16=1),
+        "cur": None,
+        "swap_f16": _pair(128, f16=1),
+        "swap_f16_p32": _pair(128, f16=1, pre_m=32),
         "vnat": _pair(128, f16=1, vnat=1),
         "s2": _pair(128, stages=2, f16=1),
         "s4": _pair(128, stages=4, f16=1),
         "w8": _pair(128, warps=8, f16=1),
         "n256s2": _pair(256, stages=2, f16=1),
+        "mma2_n64s2": _plain(64, f16=1),
+        "mma2_n128s2": _plain(128, f16=1),
+        "mma2_n64s3": _plain(64, stages=3, f16=1),
+        "mma2_n128s3": _plain(128, stages=3, f16=1),
+        "mma2_n128s2_w8": _plain(128, warps=8, f16=1),
+        "mma2_n128s2_p16": _plain(128, pre_m=16, f16=1),
     },
 }
 
@@ -297,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_warm:
         try:
             _warm([(_fit(cfg, sh.group), fp8, sh) for sh in shapes for fp8, arms in chosen.items()
-                   for pair in arms.values() for cfg in pair])
+                   for pair in arms.values() for cfg in (pair or _shipped(sh, fp8))])
         except Exception as exc:  # compiling in this process instead is only slower
             print(f"parallel warm-up failed ({type(exc).__name__}: {exc}); compiling serially", flush=True)
     rows = []
@@ -308,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = 2 * args.batch * args.context * sh.hkv * sh.d * dec_ops["kc"].element_size()
         cur_rows = None
         for name, pair in chosen[fp8].items():
-            dec_cfg, pre_cfg = (_fit(cfg, sh.group) for cfg in pair)
+            dec_cfg, pre_cfg = (_fit(cfg, sh.group) for cfg in (pair or _shipped(sh, fp8)))
             row = {"shape": f"{sh.hq}/{sh.hkv}/{sh.d}", "cache": cache, "arm": name}
             if time.time() - start > args.budget_s:
                 rows.append(dict(row, error="skipped: time budget"))

@@ -59,6 +59,7 @@ def _rms_norm_quant_kernel(
     H, eps,
     stride_x, stride_r, stride_q, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr,
+    HW: tl.constexpr,
 ):
     # kernels/rmsnorm.py's SINGLE_CHUNK path, its own helper (same argument kinds: H and eps are runtime
     # arguments there too).
@@ -71,7 +72,7 @@ def _rms_norm_quant_kernel(
     # The norm's output as rmsnorm.py stores it (rounded to the input dtype), then quantize_rows' steps.
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     scale = row_scale(tl.max(tl.abs(y), axis=0), EPS, QMAX)
-    q = quantize_e4m3(y, scale, QMAX)
+    q = quantize_e4m3(y, scale, QMAX, HW)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     tl.store(s_ptr + row, scale)
@@ -101,7 +102,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
             h, float(eps),
             x.stride(0), residual.stride(0) if residual is not None else 0, q.stride(0),
             res_out.stride(0) if res_out is not None else 0,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, EPS=ACT_EPS, QMAX=FP8_MAX,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, EPS=ACT_EPS, QMAX=FP8_MAX, HW=x.is_cuda,
             # rmsnorm.py's launch: its warps for this BLOCK (the same layout) and no FMA contraction.
             num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False,
         )
@@ -111,7 +112,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, ROWS: tl.constexpr,
                            BLOCK: tl.constexpr, RESIDENT: tl.constexpr, EPS: tl.constexpr,
-                           QMAX: tl.constexpr):
+                           QMAX: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     offs = tl.arange(0, BLOCK)
@@ -121,7 +122,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
         mask = row_ok[:, None] & (offs[None, :] < N_COLS)
         y = swiglu_values(x_rows, offs[None, :], mask, N_COLS)
         scale = row_scale(tl.max(tl.abs(y), axis=1), EPS, QMAX)
-        q = quantize_e4m3(y, scale[:, None], QMAX)
+        q = quantize_e4m3(y, scale[:, None], QMAX, HW)
         tl.store(q_rows + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:          # two passes, the product recomputed (the same elementwise bits both times)
         amax = tl.zeros((ROWS,), dtype=tl.float32)
@@ -132,7 +133,8 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
         scale = row_scale(amax, EPS, QMAX)
         for k0 in range(0, N_COLS, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < N_COLS)
-            q = quantize_e4m3(swiglu_values(x_rows, k0 + offs[None, :], mask, N_COLS), scale[:, None], QMAX)
+            y = swiglu_values(x_rows, k0 + offs[None, :], mask, N_COLS)
+            q = quantize_e4m3(y, scale[:, None], QMAX, HW)
             tl.store(q_rows + k0 + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)
@@ -159,5 +161,6 @@ def silu_and_mul_quant(x: torch.Tensor, *, chunk: int | None = None, split: int 
         cfg = row_launch(i, chunk)
         _silu_mul_quant_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x, q, s, m, i, x.stride(0), q.stride(0), ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"],
-            RESIDENT=cfg["RESIDENT"], EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=cfg["num_warps"])
+            RESIDENT=cfg["RESIDENT"], EPS=ACT_EPS, QMAX=FP8_MAX, HW=x.is_cuda,
+            num_warps=cfg["num_warps"])
     return q, s

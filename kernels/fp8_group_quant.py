@@ -50,7 +50,7 @@ def _rms_norm_group_quant_kernel(
     H, eps,
     stride_x, stride_r, stride_q, stride_s, stride_res_out,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, EPS: tl.constexpr,
-    QMAX: tl.constexpr,
+    QMAX: tl.constexpr, HW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -61,7 +61,7 @@ def _rms_norm_group_quant_kernel(
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
     scale = row_scale(tl.max(tl.abs(groups), axis=1), EPS, QMAX)
-    q = tl.reshape(quantize_e4m3(groups, scale[:, None], QMAX), (BLOCK,))
+    q = tl.reshape(quantize_e4m3(groups, scale[:, None], QMAX, HW), (BLOCK,))
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     g = tl.arange(0, BLOCK // GROUP)
@@ -100,7 +100,7 @@ def rms_norm_group_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, grou
             res_out.stride(0) if res_out is not None else 0,
             # A group wider than the row is one group over the padded row (quantize_act's result too).
             HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=min(group, block), EPS=ACT_EPS,
-            QMAX=FP8_MAX,
+            QMAX=FP8_MAX, HW=x.is_cuda,
             # rmsnorm.py's launch: its warps for this BLOCK (the same layout) and no FMA contraction.
             num_warps=max(1, min(16, block // 256)), enable_fp_fusion=False,
         )
@@ -110,14 +110,14 @@ def rms_norm_group_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, grou
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, stride_s,
                                  ROWS: tl.constexpr, GROUP: tl.constexpr, EPS: tl.constexpr,
-                                 QMAX: tl.constexpr):
+                                 QMAX: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, GROUP)
     mask = (rows[:, None] < M) & (offs[None, :] < N_COLS)
     y = swiglu_values(x_ptr + rows[:, None] * stride_x, offs[None, :], mask, N_COLS)
     scale = row_scale(tl.max(tl.abs(y), axis=1), EPS, QMAX)
-    q = quantize_e4m3(y, scale[:, None], QMAX)
+    q = quantize_e4m3(y, scale[:, None], QMAX, HW)
     tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :],
              q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + rows * stride_s + g, scale, mask=rows < M)
@@ -141,5 +141,5 @@ def silu_and_mul_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.T
         rows = min(_ACT_ROWS, triton.next_power_of_2(m))
         _silu_mul_group_quant_kernel[(triton.cdiv(m, rows), groups)](
             x, q, s, m, i, x.stride(0), q.stride(0), s.stride(0), ROWS=rows, GROUP=group, EPS=ACT_EPS,
-            QMAX=FP8_MAX, num_warps=4)
+            QMAX=FP8_MAX, HW=x.is_cuda, num_warps=4)
     return q, s

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels.e4m3 import e4m3_quotient
 from deepinfer.kernels.fp8_block_tma import block_tma_launch
 from deepinfer.kernels.gemm_parts import grouped_tile_ids
 from deepinfer.kernels.matmul_tma import tma_usable
@@ -38,26 +39,10 @@ __all__ = ["quantize_act", "fp8_linear", "fp8_grouped_linear", "fp8_grouped_matm
            "block_matmul"]
 
 
-@triton.jit
-def round_to_e4m3(v):
-    """fp32 values within +-448 rounded to nearest-even on the e4m3 grid (still fp32), so the cast that
-    follows is exact. Done by hand because Triton's CPU interpreter rounds fp32 -> fp8 without carrying into
-    the exponent; on the GPU this equals cvt.rn (rtne)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    mag = bits & 0x7FFFFFFF
-    # Normal e4m3 (|v| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; the add carries.
-    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
-    # Subnormal e4m3: multiples of 2^-9; x + 1.5 * 2^23 - 1.5 * 2^23 rounds x to an integer, ties to even.
-    a = mag.to(tl.float32, bitcast=True)
-    sub = (((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125).to(tl.uint32, bitcast=True)
-    # The sign goes back on last, so -0.0 and tiny negatives keep it as torch's cast does.
-    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
+                      GROUP: tl.constexpr, ROWS: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr,
+                      HW: tl.constexpr):
     # ROWS rows x one K-group per program: each element's arithmetic is the same as one row at a time
     # (the group max is exact), so the bits do not depend on ROWS; it only cuts the program count.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -66,9 +51,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     mask = (rows[:, None] < M) & (offs[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), EPS) / QMAX
-    # IEEE division (div.rn): Triton's `/` on fp32 is the approximate div.full on the GPU, whose last-ulp
-    # error moves a quotient next to an e4m3 rounding boundary to the other side of it.
-    q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX))
+    q = e4m3_quotient(x, scale[:, None], QMAX, HW)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :],
              q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + rows * stride_sm + g, scale, mask=rows < M)
@@ -89,7 +72,7 @@ def quantize_act(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch
     if m and k:
         _act_quant_kernel[(triton.cdiv(m, _QUANT_ROWS), groups)](
             x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
-            GROUP=group, ROWS=_QUANT_ROWS, EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=4)
+            GROUP=group, ROWS=_QUANT_ROWS, EPS=ACT_EPS, QMAX=FP8_MAX, HW=x.is_cuda, num_warps=4)
     return q, s
 
 

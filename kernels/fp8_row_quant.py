@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.fp8_matmul import round_to_e4m3
+from deepinfer.kernels.e4m3 import e4m3_quotient
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_rows", "row_launch", "RESIDENT_MAX"]
@@ -44,15 +44,16 @@ def row_scale(amax, EPS: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
-def quantize_e4m3(x, scale, QMAX: tl.constexpr):
-    """fp32 x over its (broadcast) row scale -> values on the e4m3 grid (still fp32; the cast is exact).
-    IEEE division (div.rn): the approximate one moves quotients next to a rounding boundary."""
-    return round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX))
+def quantize_e4m3(x, scale, QMAX: tl.constexpr, HW: tl.constexpr):
+    """fp32 x over its (broadcast) row scale, for the rtne cast to e4m3 (kernels/e4m3.py: `HW` picks the
+    GPU's or the interpreter's form of the same bits)."""
+    return e4m3_quotient(x, scale, QMAX, HW)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.constexpr,
-                      BLOCK: tl.constexpr, RESIDENT: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr):
+                      BLOCK: tl.constexpr, RESIDENT: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr,
+                      HW: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     offs = tl.arange(0, BLOCK)
@@ -62,7 +63,7 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.
         mask = row_ok[:, None] & (offs[None, :] < K)
         x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(x), axis=1), EPS, QMAX)
-        q = quantize_e4m3(x, scale[:, None], QMAX)
+        q = quantize_e4m3(x, scale[:, None], QMAX, HW)
         tl.store(q_rows + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:
         amax = tl.zeros((ROWS,), dtype=tl.float32)
@@ -74,7 +75,7 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.
         for k0 in range(0, K, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < K)
             x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = quantize_e4m3(x, scale[:, None], QMAX)
+            q = quantize_e4m3(x, scale[:, None], QMAX, HW)
             tl.store(q_rows + k0 + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)
@@ -115,5 +116,5 @@ def quantize_rows(x: torch.Tensor, *, chunk: int | None = None, split: int | Non
         cfg = row_launch(k, chunk)
         _row_quant_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x, q, s, m, k, x.stride(0), q.stride(0), ROWS=cfg["ROWS"], BLOCK=cfg["BLOCK"],
-            RESIDENT=cfg["RESIDENT"], EPS=ACT_EPS, QMAX=FP8_MAX, num_warps=cfg["num_warps"])
+            RESIDENT=cfg["RESIDENT"], EPS=ACT_EPS, QMAX=FP8_MAX, HW=x.is_cuda, num_warps=cfg["num_warps"])
     return q, s

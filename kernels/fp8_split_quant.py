@@ -75,7 +75,7 @@ def _chunk_amax_kernel(x_ptr, amax_ptr, M, N_COLS, stride_x, CHUNKS: tl.constexp
 @triton.jit(do_not_specialize=["M"])
 def _chunk_cast_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, CHUNKS: tl.constexpr,
                        CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr, SWIGLU: tl.constexpr,
-                       EPS: tl.constexpr, QMAX: tl.constexpr):
+                       EPS: tl.constexpr, QMAX: tl.constexpr, HW: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     c = tl.arange(0, CHUNKS_POW2)
@@ -84,7 +84,7 @@ def _chunk_cast_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, strid
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N_COLS
     y = _chunk_values(x_ptr, row, offs, mask, stride_x, N_COLS, SWIGLU)
-    q = quantize_e4m3(y, scale, QMAX)
+    q = quantize_e4m3(y, scale, QMAX, HW)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     if chunk == 0:
@@ -113,4 +113,4 @@ def split_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, n_cols: int, 
                                     SWIGLU=swiglu, num_warps=warps)
     _chunk_cast_kernel[(m, chunks)](x, amax, q, s, m, n_cols, x.stride(0), q.stride(0), CHUNKS=chunks,
                                     CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK=block, SWIGLU=swiglu,
-                                    EPS=eps, QMAX=qmax, num_warps=warps)
+                                    EPS=eps, QMAX=qmax, HW=x.is_cuda, num_warps=warps)

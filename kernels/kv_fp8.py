@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.fp8_matmul import round_to_e4m3
+from deepinfer.kernels.e4m3 import round_to_e4m3
 from deepinfer.kernels.reference.kv_fp8 import FP8_MAX, check_store_fp8_args
 
 

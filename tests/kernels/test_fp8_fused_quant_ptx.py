@@ -112,7 +112,8 @@ def _rsqrt_operand(ptx: str) -> str:
 @pytest.mark.parametrize("h", [4096, 3584, 896, 100])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("form", ["rows", "groups"])
-def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, form):
+@pytest.mark.parametrize("hw", [False, True], ids=["interpreter_form", "gpu_form"])
+def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, form, hw):
     import torch
     from deepinfer.kernels import fp8_fused_quant, fp8_group_quant, rmsnorm
 
@@ -133,6 +134,7 @@ def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, f
         fused_launch = _launch(monkeypatch, kernel,
                                lambda: fp8_group_quant.rms_norm_group_quant(x, w, 1e-5, 128, r))
     assert plain_launch["num_warps"] == fused_launch["num_warps"]
+    fused_launch = dict(fused_launch, HW=hw)   # kernels/e4m3.py: the quantization step's two forms
     plain = _compile_ptx(rmsnorm._rms_norm_kernel, [
         ("x_ptr", "*bf16", None), ("r_ptr", "*bf16", None), ("w_ptr", "*bf16", None),
         ("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None), ("H", "i32", h), ("eps", "fp32", None),
@@ -169,3 +171,71 @@ def test_split_quant_kernels_compile_with_wide_loads(monkeypatch, op, width):
         ("s_ptr", "*fp32", None), *common, ("stride_q", "i32", width)], cast_launch)
     assert "ld.global.v4" in amax and "ld.global.v4" in cast
     assert "div.rn.f32" in cast
+
+
+_PTR_TYPES = {"torch.bfloat16": "*bf16", "torch.float8_e4m3fn": "*fp8e4nv", "torch.float32": "*fp32"}
+
+
+def _ptx_of_launch(monkeypatch, kernel, call, silence=(), **override) -> str:
+    """sm_90 PTX of `kernel` as `call()` launches it (positional arguments typed from the captured values:
+    tensors by dtype, ints as i32, floats as fp32), its keyword constexprs updated by `override`; the
+    kernels in `silence` are launched by `call` too and ignored."""
+    seen: dict = {}
+    for other in silence:
+        monkeypatch.setattr(other, "run", lambda *args, **kwargs: None)
+
+    def capture(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(kernel, "run", capture)
+    call()
+    assert seen, "the kernel was not launched"
+    specs = []
+    for name, value in zip(kernel.arg_names, seen["args"], strict=False):
+        if hasattr(value, "dtype"):
+            specs.append((name, _PTR_TYPES[str(value.dtype)], None))
+        elif isinstance(value, float):
+            specs.append((name, "fp32", None))
+        else:
+            specs.append((name, "i32", int(value)))
+    return _compile_ptx(kernel, specs, {**seen["kwargs"], **override})
+
+
+def _quantizer_launches():
+    """(kernel, call, other kernels the call launches) of every activation quantizer at a launch the
+    engine makes (CPU tensors: only the launch is captured)."""
+    import torch
+    from deepinfer.kernels import fp8_fused_quant, fp8_group_quant, fp8_matmul, fp8_row_quant, fp8_split_quant
+
+    bf16 = torch.bfloat16
+    x4k, w = torch.zeros(256, 4096, dtype=bf16), torch.ones(4096, dtype=bf16)
+    swiglu = torch.zeros(1024, 2 * 14336, dtype=bf16)    # prefill-sized: the one-program kernel
+    return {
+        "rows": (fp8_row_quant._row_quant_kernel, lambda: fp8_row_quant.quantize_rows(x4k)),
+        "rms_rows": (fp8_fused_quant._rms_norm_quant_kernel,
+                     lambda: fp8_fused_quant.rms_norm_quant(x4k, w, 1e-5)),
+        "silu_rows": (fp8_fused_quant._silu_mul_quant_kernel,
+                      lambda: fp8_fused_quant.silu_and_mul_quant(swiglu)),
+        "silu_split": (fp8_split_quant._chunk_cast_kernel,
+                       lambda: fp8_fused_quant.silu_and_mul_quant(swiglu[:64]),
+                       fp8_split_quant._chunk_amax_kernel),
+        "groups": (fp8_matmul._act_quant_kernel, lambda: fp8_matmul.quantize_act(x4k, 128)),
+        "rms_groups": (fp8_group_quant._rms_norm_group_quant_kernel,
+                       lambda: fp8_group_quant.rms_norm_group_quant(x4k, w, 1e-5, 128)),
+        "silu_groups": (fp8_group_quant._silu_mul_group_quant_kernel,
+                        lambda: fp8_group_quant.silu_and_mul_group_quant(swiglu[:64, :2816], 128)),
+    }
+
+
+@pytest.mark.parametrize("name", ["rows", "rms_rows", "silu_rows", "silu_split", "groups", "rms_groups",
+                                  "silu_groups"])
+def test_gpu_form_of_the_quantizers_divides_once_per_scale_and_rounds_in_the_cast(monkeypatch, name):
+    """kernels/e4m3.py: on the GPU (HW) every quantizer takes its quotients from a reciprocal and two FMAs
+    and leaves the e4m3 rounding to the hardware cast, the interpreter form (what a CPU launch passes)
+    divides per element; tests/kernels/test_fp8_fused_quant_gpu.py checks that the bits are torch's."""
+    kernel, call, *silence = _quantizer_launches()[name]
+    cpu = _ptx_of_launch(monkeypatch, kernel, call, silence)
+    gpu = _ptx_of_launch(monkeypatch, kernel, call, silence, HW=True)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in gpu and "fma.rn.f32" in gpu
+    per_element, per_scale = cpu.count("div.rn.f32"), gpu.count("div.rn.f32")
+    assert per_scale >= 1 and 4 * per_scale <= per_element, (per_scale, per_element)

@@ -118,4 +118,8 @@ def test_decode_configs_keep_the_kv_tiles(pa):
                     assert pre["FP16_KV"] == dec["FP16_KV"] and pre["V_NAT"] == dec["V_NAT"]
                     for cfg in (pre, dec):
                         assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+                    if pre["BLOCK_M"] != dec["BLOCK_M"]:   # only where a row's bits cannot tell them apart:
+                        # transposed tiles (rows are the MMA's N), or two mma.sync tiles (M % 64 != 0)
+                        # narrower than the key tile (warps along the keys)
+                        assert pre["SWAP"] or (dec["BLOCK_M"] < pre["BLOCK_M"] < min(64, pre["BLOCK_N"]))
 
