@@ -55,10 +55,10 @@ SHAPES = {"llama8b": Shape(32, 8, 128), "qwen0.5b": Shape(14, 2, 64)}
 
 
 def _cfg(m: int, n: int = 64, warps: int = 4, stages: int = 3, swap: int = 0, f16: int = 0,
-         vnat: int = 0) -> dict:
+         vnat: int = 0, vcvt: int = 0) -> dict:
     """A config with BLOCK_M rows; BLOCK_Q is filled in per shape by `_fit`."""
     return {"BLOCK_M": m, "BLOCK_Q": 0, "BLOCK_N": n, "num_warps": warps, "num_stages": stages,
-            "SWAP": swap, "FP16_KV": f16, "V_NAT": vnat}
+            "SWAP": swap, "FP16_KV": f16, "V_NAT": vnat, "V_CVT": vcvt}
 
 
 def _pair(n: int = 64, warps: int = 4, stages: int = 3, pre_m: int = 64, **kw) -> tuple[dict, dict]:
@@ -96,9 +96,10 @@ def _scales(hkv: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 # cache -> name -> (decode config, prefill config). "cur" (None here) is the shipped config of each shape
 # (kernels/paged_attention.py, attention_tile_config), listed first: eq_cur compares the other arms' decode
 # rows with its. vnat: value tiles loaded in memory order and transposed in registers (V_NAT); mma2: the
-# untransposed mma.sync tiles. benchmarks/RESULTS.md has the arms that lost (2026-12-02 05:10: e4m3 bit
-# conversion, split-KV, 8 warps, 256-key tiles; 2026-12-02 evening: the mma2 arms on e4m3, each key
-# tile's products as two halves of MMAs).
+# untransposed mma.sync tiles (16 decode / 32 prefill rows; the shipped family); cvt: the e4m3 value tile
+# converted before it becomes an operand (V_CVT); swap: the transposed wgmma tiles shipped before.
+# benchmarks/RESULTS.md has the arms that lost (2026-12-02 05:10: e4m3 bit conversion, split-KV, 8 warps,
+# 256-key tiles; 2026-12-02 16:58 UTC: each key tile's products as two halves of MMAs).
 ARMS = {   # in order of interest: the budget guard drops the tail
     "bf16": {
         "cur": None,
@@ -115,6 +116,12 @@ ARMS = {   # in order of interest: the budget guard drops the tail
         "cur": None,
         "swap_f16": _pair(128, f16=1),
         "swap_f16_p32": _pair(128, f16=1, pre_m=32),
+        "cvt_mma2_n128s2": _plain(128, f16=1, vcvt=1),
+        "cvt_mma2_n64s2": _plain(64, f16=1, vcvt=1),
+        "cvt_mma2_n128s3": _plain(128, stages=3, f16=1, vcvt=1),
+        "cvt_mma2_n64s3": _plain(64, stages=3, f16=1, vcvt=1),
+        "cvt_vnat_n128s3": _pair(128, f16=1, vnat=1, vcvt=1),
+        "cvt_vnat_n128s2": _pair(128, stages=2, f16=1, vnat=1, vcvt=1),
         "vnat": _pair(128, f16=1, vnat=1),
         "s2": _pair(128, stages=2, f16=1),
         "s4": _pair(128, stages=4, f16=1),

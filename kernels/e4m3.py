@@ -17,7 +17,7 @@ Two forms of the same bits, picked by the constexpr `HW` (the launcher passes `x
 Why the GPU form: the SiLU-and-mul quantizer's sm_90 code (32 values per thread) shrinks from 1,688 to 968
 instructions and from 83 to 63 registers, so two 16-warp programs fit an SM instead of one; on the H200 it
 went from 764 to 331 us at M = 16,384 (from compute-bound to 3.5 TB/s), the other quantizers 1.2-2x
-(benchmarks/e4m3_quant_timing.py; benchmarks/RESULTS.md, 2026-12-02 evening), every output bitwise equal
+(benchmarks/e4m3_quant_timing.py; benchmarks/RESULTS.md, 2026-12-02 16:58 UTC), every output bitwise equal
 to the interpreter form's and to torch's. tests/kernels/test_fp8_fused_quant_gpu.py compares every
 quantizer's bits with torch on the device; tests/kernels/test_fp8_fused_quant_ptx.py checks on the CPU
 that the GPU form compiles to FMAs, one division per scale and the hardware cast.

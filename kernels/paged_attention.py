@@ -19,12 +19,12 @@ Why a token's output bits never depend on scheduling (prefill chunk, decode, pre
   alone — so a 16-row decode tile and a 64-row prefill tile give a token the same bits, which
   tests/kernels/test_paged_attention_decode_gpu.py checks on the GPU (decode steps vs every row of a full
   prefill, the last rows of random chunks, decode rows in mixed steps; random lengths, bf16 and e4m3).
-  In the untransposed tile BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync (Triton's wgmma
-  needs M % 64 == 0), 64 to wgmma, and mma.sync and wgmma give different bits (measured on an H200). So
-  the untransposed family (16-bit caches) runs mma.sync for decode (16 rows) and prefill (32) alike; with
-  BLOCK_M < BLOCK_N Triton spreads a chained dot's warps along the keys for both, so a row's products,
-  its max/sum reductions and its P @ V walk the same registers, lanes and warps in either tile (the same
-  GPU test covers it). Groups of 64+ heads take one tile for both;
+  In the untransposed tile (the engine's) BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync
+  (Triton's wgmma needs M % 64 == 0), 64 to wgmma, and mma.sync and wgmma give different bits (measured on
+  an H200). So decode (16 rows) and prefill (32) both run mma.sync; with BLOCK_M < BLOCK_N Triton spreads
+  a chained dot's warps along the keys for both, so a row's products, its max/sum reductions and its
+  P @ V walk the same registers, lanes and warps in either tile (the same GPU test covers it). Groups of
+  64+ heads take one tile for both;
 - a row at position p sees the same tiles 0..p // BLOCK_N with the same masking (positions > p are -inf);
 - tiles after p's tile, processed only because a later token of the same program needs them, leave the
   row's state unchanged exactly: the running max does not move (alpha is then exactly 1), p = exp2(-inf) = 0,
@@ -50,16 +50,13 @@ if TYPE_CHECKING:
 __all__ = ["paged_attention", "attention_tile_config", "launch_paged_attention"]
 
 _LOG2E = 1.4426950408889634
-# Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). e4m3 cache (2026-12-01 night):
-# transposed tiles, 16-row decode tiles, fp16 products under bf16 q; decode at 256 x 640 positions, 8B shape
-# 214 -> 158 us, 0.5B 35 -> 32 us. 16-bit cache (2026-12-02 evening): untransposed tiles of 16 decode / 32
-# prefill rows, both mma.sync, were faster than the transposed wgmma tiles: 8B decode 185 -> 164 us
-# (prefill of 16 x 512 tokens 274 -> 289), 0.5B 29.8 -> 26.1 us (87 -> 91); on the e4m3 cache they gain
-# 8% in decode and lose 25% in prefill, so e4m3 keeps the transposed tiles.
-SWAP_E4M3 = True
-FP16_E4M3 = True
+# Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). Untransposed tiles of 16 decode /
+# 32 prefill rows, both mma.sync (2026-12-02 16:58 UTC), against the transposed wgmma tiles shipped before:
+# 16-bit cache, 8B shape decode 185 -> 161 us at 256 x 640 positions (prefill of 16 x 512 tokens 274 -> 290),
+# 0.5B 29.8 -> 25.9 us (87 -> 91); e4m3 cache with fp16 products under bf16 q and the value tile converted
+# before it becomes an operand (V_CVT), 8B 158 -> 135 us (301 -> 330), 0.5B 32.2 -> 23.7 us (84 -> 97).
 DECODE_BLOCK_M = 16
-PLAIN_PREFILL_BLOCK_M = 32
+PREFILL_BLOCK_M = 32
 _PLAN_ATTR = "_paged_attention_plans"
 
 
@@ -68,25 +65,20 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
     """Tile config of the kernel: a function of the model shape, the cache dtype and whether the step is a
     decode step (one query token per sequence), never of the batch. Decode and prefill configs differ in
     BLOCK_M only, and only where a row's arithmetic does not depend on it (the module docstring)."""
-    tensor_core = dtype != torch.float32 and head_dim <= 128   # the measured family
     rows = triton.next_power_of_2(group)
-    swap = int(SWAP_E4M3 and tensor_core and kv_fp8)
-    fp16_kv = int(FP16_E4M3 and swap and dtype == torch.bfloat16)
-    if swap:       # wgmma tiles with the query rows as N: 16 rows and 64 give a row the same bits
-        block_n, num_stages = 128, 3
-        block_m = max(DECODE_BLOCK_M if decode else 64, rows)
-    elif tensor_core:   # mma.sync tiles (M % 64 != 0), warps along the keys (M < BLOCK_N): see the docstring
-        block_n, num_stages = (64, 2) if head_dim == 128 else (128, 2)
-        block_m = max(PLAIN_PREFILL_BLOCK_M, rows)
-        if decode and block_m == PLAIN_PREFILL_BLOCK_M:
+    if dtype != torch.float32 and head_dim <= 128:   # the measured family: mma.sync tiles, see the docstring
+        block_n = 64 if kv_fp8 or head_dim == 128 else 128
+        block_m = max(PREFILL_BLOCK_M, rows)
+        if decode and block_m == PREFILL_BLOCK_M:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
-    else:           # float32 (the CPU interpreter) and head_dim > 128
-        block_n, num_stages = 32, 2
+        cfg = {"BLOCK_N": block_n, "num_stages": 2, "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16),
+               "V_CVT": int(kv_fp8)}
+    else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-    assert block_n % KV_CHUNK == 0
-    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n, "num_warps": 4,
-            "num_stages": num_stages, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "FP16_KV": 0, "V_CVT": 0}
+    assert cfg["BLOCK_N"] % KV_CHUNK == 0
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "num_warps": 4, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
 def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> list[int]:
@@ -163,7 +155,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=num_q_heads // num_kv_heads, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
-        V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])),
+        V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])), V_CVT=int(bool(cfg.get("V_CVT", 0) and kv_fp8)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

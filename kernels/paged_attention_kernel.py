@@ -17,6 +17,12 @@ the batch-invariance argument). Three constexpr knobs beyond the tile shape:
 - V_NAT (SWAP only): load a value tile in its memory order [keys, head_dim] and transpose it in registers
   (after the conversion) instead of loading it transposed; same values and bits, another layout path to the
   MMA (benchmarks/attn_variants.py: faster on a bf16 cache, slower on e4m3).
+- V_CVT (e4m3 cache, value tiles in memory order: the untransposed tile, or V_NAT): the converted value
+  tile is multiplied by an exact 1 read at run time before it becomes an MMA operand. The products then
+  consume 16-bit values that already sit in registers, which Triton moves to the MMA through shared memory
+  as 16-bit tiles (stores, ldmatrix.trans); without it Triton loads the operand from the e4m3 tile in
+  shared memory a byte at a time (the MMA wants pairs of consecutive keys; the cache holds consecutive
+  head dims). Same values, so the same bits as without it.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-    SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr,
+    SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr, V_CVT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,6 +84,8 @@ def paged_attention_kernel(
     else:
         row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * qk_scale
 
+    if V_CVT:   # an exact x1 Triton cannot fold away (module docstring, V_CVT)
+        v_one = (tl.load(v_scale_ptr + kv_head) * 0.0 + 1.0).to(q.dtype)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SWAP:
@@ -115,6 +123,8 @@ def paged_attention_kernel(
                             mask=kv_ok[:, None], other=0.0)
                 if KV_FP8:
                     v = v.to(q.dtype)
+                    if V_CVT:
+                        v = v * v_one
                 v_t = tl.trans(v)
             else:
                 v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs + d[:, None],
@@ -140,6 +150,8 @@ def paged_attention_kernel(
                         mask=kv_ok[:, None], other=0.0)
             if KV_FP8:
                 v = v.to(q.dtype)
+                if V_CVT:
+                    v = v * v_one
             acc = acc * alpha[:, None]
             if IEEE:
                 acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")

@@ -51,9 +51,9 @@ def caches():
     return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
 
 
-def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0) -> dict[str, int]:
+def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": 32, "num_warps": 4,
-            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat}
+            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat, "V_CVT": vcvt}
 
 
 @pytest.mark.parametrize("block_m,swap,vnat", [(64, 0, 0), (16, 0, 0), (16, 1, 0), (64, 1, 0), (16, 1, 1)])
@@ -87,6 +87,20 @@ def test_natural_value_tiles_match_reference_e4m3_cache(pa, caches, block_m, fp1
     tol = 2e-3 if fp16_kv else 2e-5
     torch.testing.assert_close(out, paged_attention_ref(*args), atol=tol, rtol=tol)
     torch.testing.assert_close(out, base, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_m,swap,vnat,fp16_kv", [(16, 0, 0, 1), (32, 0, 0, 1), (16, 0, 0, 0),
+                                                      (16, 1, 1, 1), (64, 1, 1, 1)])
+def test_converted_value_operand_is_the_same_attention(pa, caches, block_m, swap, vnat, fp16_kv):
+    """V_CVT (the converted e4m3 value tile times an exact 1 before the MMA): the same values, so the
+    reference's attention and the V_CVT=0 kernel's output."""
+    c = caches
+    args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    out = pa.launch_paged_attention(*args, _cfg(block_m, swap, fp16_kv, vnat=vnat, vcvt=1))
+    base = pa.launch_paged_attention(*args, _cfg(block_m, swap, fp16_kv, vnat=vnat))
+    tol = 2e-3 if fp16_kv else 2e-5
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, base, atol=0, rtol=0)
 
 
 def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
