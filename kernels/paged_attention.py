@@ -5,26 +5,25 @@ BLOCK_Q of the sequence's new tokens are packed into the BLOCK_M rows of the til
 head), so decode (one token) still feeds the tensor cores. Keys/values are read through the block table in
 tiles of BLOCK_N absolute positions starting at position 0 — [0, BLOCK_N), [BLOCK_N, 2*BLOCK_N), ... —
 with BLOCK_N a multiple of KV_CHUNK, and reduced with an fp32 online softmax in increasing tile order.
-kernels/paged_attention_kernel.py is the kernel body; its SWAP form computes the transposed tiles
-(S^T = K Q^T, O^T += V^T P^T: the query rows are the MMA's N dimension) and its FP16_KV form runs an e4m3
-cache's products in fp16 (its docstring: why that is exact for bf16 q).
+kernels/paged_attention_kernel.py is the kernel body: its FP16_KV form runs an e4m3 cache's products in
+fp16 (exact for bf16 q), V_CVT converts an e4m3 value tile before it becomes an MMA operand, and its
+SWAP form (transposed tiles S^T = K Q^T, O^T += V^T P^T, the query rows the MMA's N dimension; what the
+engine ran until 2026-12-02) stays for benchmarks/attn_variants.py to compare.
 
 Why a token's output bits never depend on scheduling (prefill chunk, decode, prefix-cache hit, batch):
-- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, warps, stages) depends only on (GROUP, head_dim, dtype,
-  cache dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence, decode tiles of
-  DECODE_BLOCK_M rows) or not;
+- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, V_CVT, warps, stages) depends only on (GROUP, head_dim,
+  dtype, cache dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence,
+  decode tiles of DECODE_BLOCK_M rows) or not;
 - a row's arithmetic does not depend on which row of the tile it occupies, nor on how many rows the tile
-  has: under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent, and each column's
-  products and its max/sum reductions run over the key (M) axis, laid out by BLOCK_N and the warp count
-  alone — so a 16-row decode tile and a 64-row prefill tile give a token the same bits, which
-  tests/kernels/test_paged_attention_decode_gpu.py checks on the GPU (decode steps vs every row of a full
-  prefill, the last rows of random chunks, decode rows in mixed steps; random lengths, bf16 and e4m3).
-  In the untransposed tile (the engine's) BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync
+  has. In the untransposed tile (the engine's) BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync
   (Triton's wgmma needs M % 64 == 0), 64 to wgmma, and mma.sync and wgmma give different bits (measured on
   an H200). So decode (16 rows) and prefill (32) both run mma.sync; with BLOCK_M < BLOCK_N Triton spreads
   a chained dot's warps along the keys for both, so a row's products, its max/sum reductions and its
-  P @ V walk the same registers, lanes and warps in either tile (the same GPU test covers it). Groups of
-  64+ heads take one tile for both;
+  P @ V walk the same registers, lanes and warps in either tile. Groups of 64+ heads take one tile for
+  both. (Under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent and 16 and 64 rows
+  give the same bits.) tests/kernels/test_paged_attention_decode_gpu.py checks it on the GPU: decode steps
+  vs every row of a full prefill, the last rows of random chunks, decode rows in mixed steps; random
+  lengths, bf16 and e4m3;
 - a row at position p sees the same tiles 0..p // BLOCK_N with the same masking (positions > p are -inf);
 - tiles after p's tile, processed only because a later token of the same program needs them, leave the
   row's state unchanged exactly: the running max does not move (alpha is then exactly 1), p = exp2(-inf) = 0,

@@ -1,5 +1,6 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
-the batch-invariance argument). Three constexpr knobs beyond the tile shape:
+the batch-invariance argument). Four constexpr knobs beyond the tile shape; the engine runs the untransposed
+tile with FP16_KV and V_CVT on an e4m3 cache, the others are measured alternatives:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -22,7 +23,8 @@ the batch-invariance argument). Three constexpr knobs beyond the tile shape:
   consume 16-bit values that already sit in registers, which Triton moves to the MMA through shared memory
   as 16-bit tiles (stores, ldmatrix.trans); without it Triton loads the operand from the e4m3 tile in
   shared memory a byte at a time (the MMA wants pairs of consecutive keys; the cache holds consecutive
-  head dims). Same values, so the same bits as without it.
+  head dims). Same values, so the same bits as without it. H200, 8B heads: decode 158 -> 134 us against
+  the transposed tile (benchmarks/RESULTS.md, 2026-12-02 16:58 UTC).
 """
 
 from __future__ import annotations
