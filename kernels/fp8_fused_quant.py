@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor
-from deepinfer.kernels.fp8_row_quant import quantize_e4m3, row_launch, row_scale
+from deepinfer.kernels.e4m3 import e4m3_quotient
+from deepinfer.kernels.fp8_row_quant import row_launch, row_scale
 from deepinfer.kernels.fp8_split_quant import split_quant, swiglu_values, use_split
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.kernels.rmsnorm import check_rms_norm_args, rms_norm, rms_norm_row
@@ -72,7 +73,7 @@ def _rms_norm_quant_kernel(
     # The norm's output as rmsnorm.py stores it (rounded to the input dtype), then quantize_rows' steps.
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     scale = row_scale(tl.max(tl.abs(y), axis=0), EPS, QMAX)
-    q = quantize_e4m3(y, scale, QMAX, HW)
+    q = e4m3_quotient(y, scale, QMAX, HW)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     tl.store(s_ptr + row, scale)
@@ -122,7 +123,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
         mask = row_ok[:, None] & (offs[None, :] < N_COLS)
         y = swiglu_values(x_rows, offs[None, :], mask, N_COLS)
         scale = row_scale(tl.max(tl.abs(y), axis=1), EPS, QMAX)
-        q = quantize_e4m3(y, scale[:, None], QMAX, HW)
+        q = e4m3_quotient(y, scale[:, None], QMAX, HW)
         tl.store(q_rows + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:          # two passes, the product recomputed (the same elementwise bits both times)
         amax = tl.zeros((ROWS,), dtype=tl.float32)
@@ -134,7 +135,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, stride_q, R
         for k0 in range(0, N_COLS, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < N_COLS)
             y = swiglu_values(x_rows, k0 + offs[None, :], mask, N_COLS)
-            q = quantize_e4m3(y, scale[:, None], QMAX, HW)
+            q = e4m3_quotient(y, scale[:, None], QMAX, HW)
             tl.store(q_rows + k0 + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)

@@ -20,7 +20,7 @@ layout `quantize_act` returns and `block_matmul` reads).
   twice and no cross-program step exists at any M. Feeds down_proj.
 
 Group max and cast are `quantize_act`'s steps (`row_scale`: max(amax, EPS) / 448 by the constant;
-`quantize_e4m3`: IEEE division, clamp, round to the e4m3 grid), and a max is exact in any order, so only
+`e4m3_quotient`: IEEE division, clamp, round to the e4m3 grid), and a max is exact in any order, so only
 the producing op's arithmetic needs the care above. Row-local math only: batch-invariant by construction.
 """
 
@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor, is_power_of_two
+from deepinfer.kernels.e4m3 import e4m3_quotient
 from deepinfer.kernels.fp8_fused_quant import FUSED_NORM_MAX
 from deepinfer.kernels.fp8_matmul import quantize_act
-from deepinfer.kernels.fp8_row_quant import quantize_e4m3, row_scale
+from deepinfer.kernels.fp8_row_quant import row_scale
 from deepinfer.kernels.fp8_split_quant import swiglu_values
 from deepinfer.kernels.reference.fp8_matmul import ACT_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.kernels.rmsnorm import check_rms_norm_args, rms_norm, rms_norm_row
@@ -61,7 +62,7 @@ def _rms_norm_group_quant_kernel(
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
     scale = row_scale(tl.max(tl.abs(groups), axis=1), EPS, QMAX)
-    q = tl.reshape(quantize_e4m3(groups, scale[:, None], QMAX, HW), (BLOCK,))
+    q = tl.reshape(e4m3_quotient(groups, scale[:, None], QMAX, HW), (BLOCK,))
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     g = tl.arange(0, BLOCK // GROUP)
@@ -117,7 +118,7 @@ def _silu_mul_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, strid
     mask = (rows[:, None] < M) & (offs[None, :] < N_COLS)
     y = swiglu_values(x_ptr + rows[:, None] * stride_x, offs[None, :], mask, N_COLS)
     scale = row_scale(tl.max(tl.abs(y), axis=1), EPS, QMAX)
-    q = quantize_e4m3(y, scale[:, None], QMAX, HW)
+    q = e4m3_quotient(y, scale[:, None], QMAX, HW)
     tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :],
              q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + rows * stride_s + g, scale, mask=rows < M)

@@ -10,7 +10,7 @@ chunking nor the rows sharing a program: batch-invariant by construction.
 per program, 1,024-column chunks, the row read twice) spent 11-12 us on a 14,336-column activation at
 M <= 256 on the H200, one dependent load after another; the resident kernel issues all of a row's loads
 at once. Longer rows take two passes (max, then cast) over 4,096-column chunks, the second read mostly
-from L2. `row_scale` / `quantize_e4m3` are the two steps every quantizing kernel here shares
+from L2. `row_scale` / `e4m3_quotient` (kernels/e4m3.py) are the two steps every quantizing kernel here shares
 (kernels/fp8_fused_quant.py fuses them into RMSNorm and SiLU-and-mul). `split=N` runs
 kernels/fp8_split_quant.py instead (a row's columns over several programs, the same bits); it is not the
 default here: on the H200 it was slower than this kernel at K = 4,096 (M = 256: 4.5 against 3.8 us;
@@ -43,13 +43,6 @@ def row_scale(amax, EPS: tl.constexpr, QMAX: tl.constexpr):
     return tl.maximum(amax, EPS) / QMAX
 
 
-@triton.jit
-def quantize_e4m3(x, scale, QMAX: tl.constexpr, HW: tl.constexpr):
-    """fp32 x over its (broadcast) row scale, for the rtne cast to e4m3 (kernels/e4m3.py: `HW` picks the
-    GPU's or the interpreter's form of the same bits)."""
-    return e4m3_quotient(x, scale, QMAX, HW)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr, RESIDENT: tl.constexpr, EPS: tl.constexpr, QMAX: tl.constexpr,
@@ -63,7 +56,7 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.
         mask = row_ok[:, None] & (offs[None, :] < K)
         x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(x), axis=1), EPS, QMAX)
-        q = quantize_e4m3(x, scale[:, None], QMAX, HW)
+        q = e4m3_quotient(x, scale[:, None], QMAX, HW)
         tl.store(q_rows + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     else:
         amax = tl.zeros((ROWS,), dtype=tl.float32)
@@ -75,7 +68,7 @@ def _row_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, ROWS: tl.
         for k0 in range(0, K, BLOCK):
             mask = row_ok[:, None] & (k0 + offs[None, :] < K)
             x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = quantize_e4m3(x, scale[:, None], QMAX, HW)
+            q = e4m3_quotient(x, scale[:, None], QMAX, HW)
             tl.store(q_rows + k0 + offs[None, :], q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)

@@ -8,7 +8,7 @@ chunks of BLOCK, one small program per (row, chunk), in two kernels:
    `swiglu_values`, the function kernels/fp8_fused_quant.py uses) and writes the chunk's max |value| to a
    float32 workspace [M, chunks];
 2. `_chunk_cast_kernel`: each program takes the max of its row's chunk maxima (the row max), the row scale
-   (`row_scale`), recomputes its chunk's values and casts them (`quantize_e4m3`); the first chunk's
+   (`row_scale`), recomputes its chunk's values and casts them (`e4m3_quotient`); the first chunk's
    program stores the scale.
 
 The bits are the one-program kernels': a max is exact in any order and grouping, and every value is the
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.fp8_row_quant import quantize_e4m3, row_scale
+from deepinfer.kernels.e4m3 import e4m3_quotient
+from deepinfer.kernels.fp8_row_quant import row_scale
 
 __all__ = ["split_quant", "use_split", "SPLIT_MAX_BYTES", "SPLIT_BLOCK"]
 
@@ -84,7 +85,7 @@ def _chunk_cast_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, M, N_COLS, stride_x, strid
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N_COLS
     y = _chunk_values(x_ptr, row, offs, mask, stride_x, N_COLS, SWIGLU)
-    q = quantize_e4m3(y, scale, QMAX, HW)
+    q = e4m3_quotient(y, scale, QMAX, HW)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=mask)
     if chunk == 0:

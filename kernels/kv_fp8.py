@@ -10,17 +10,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.e4m3 import round_to_e4m3
+from deepinfer.kernels.e4m3 import e4m3_quotient
 from deepinfer.kernels.reference.kv_fp8 import FP8_MAX, check_store_fp8_args
 
 
 @triton.jit
 def quantize_e4m3(x, scale, QMAX: tl.constexpr, out_ptr):
     """float32 x / scale (broadcast) as out_ptr's e4m3 element type: clamped to +-QMAX, rounded to nearest
-    even. The division is div_rn: Triton's `/` on float32 is the approximate div.full.f32 on NVIDIA GPUs,
-    which can land an element on the other side of an e4m3 rounding boundary than torch's IEEE division."""
-    y = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX))
-    return y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    even (kernels/e4m3.py's step in its interpreter form, IEEE division and integer rounding, on every
+    device: the GPU form has not been measured on this store)."""
+    return e4m3_quotient(x, scale, QMAX, False).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
 
 
 @triton.jit

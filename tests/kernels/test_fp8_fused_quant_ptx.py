@@ -151,7 +151,8 @@ def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, f
 @pytest.mark.parametrize("op,width", [("silu", 14336), ("rows", 4096)])
 def test_split_quant_kernels_compile_with_wide_loads(monkeypatch, op, width):
     """kernels/fp8_split_quant.py's two kernels, at a decode step's real launch (M = 256, Llama-3.1-8B
-    widths), compile for sm_90 with 16-byte input loads and the IEEE division of quantize_e4m3."""
+    widths), compile for sm_90 with 16-byte input loads and the IEEE division of e4m3_quotient's
+    interpreter form."""
     import torch
     from deepinfer.kernels import fp8_fused_quant, fp8_row_quant, fp8_split_quant
 
