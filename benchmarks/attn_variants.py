@@ -55,10 +55,10 @@ SHAPES = {"llama8b": Shape(32, 8, 128), "qwen0.5b": Shape(14, 2, 64)}
 
 
 def _cfg(m: int, n: int = 64, warps: int = 4, stages: int = 3, swap: int = 0, f16: int = 0,
-         vnat: int = 0, vcvt: int = 0) -> dict:
+         vnat: int = 0, vcvt: int = 0, pf: int = 0) -> dict:
     """A config with BLOCK_M rows; BLOCK_Q is filled in per shape by `_fit`."""
     return {"BLOCK_M": m, "BLOCK_Q": 0, "BLOCK_N": n, "num_warps": warps, "num_stages": stages,
-            "SWAP": swap, "FP16_KV": f16, "V_NAT": vnat, "V_CVT": vcvt}
+            "SWAP": swap, "FP16_KV": f16, "V_NAT": vnat, "V_CVT": vcvt, "PREFETCH": pf}
 
 
 def _pair(n: int = 64, warps: int = 4, stages: int = 3, pre_m: int = 64, **kw) -> tuple[dict, dict]:
@@ -98,11 +98,16 @@ def _scales(hkv: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 # rows with its. vnat: value tiles loaded in memory order and transposed in registers (V_NAT); mma2: the
 # untransposed mma.sync tiles (16 decode / 32 prefill rows; the shipped family); cvt: the e4m3 value tile
 # converted before it becomes an operand (V_CVT); swap: the transposed wgmma tiles shipped before.
-# benchmarks/RESULTS.md has the arms that lost (2026-12-02 05:10: e4m3 bit conversion, split-KV, 8 warps,
-# 256-key tiles; 2026-12-02 16:58 UTC: each key tile's products as two halves of MMAs).
+# pf: the block ids a tile ahead (PREFETCH). benchmarks/RESULTS.md has the arms that lost (2026-12-02 05:10:
+# e4m3 bit conversion, split-KV, 8 warps, 256-key tiles; 16:58 UTC: each key tile's products as two halves
+# of MMAs; 20:00 UTC: per-warp softmax states, the key tile converted before the MMA, 32-key tiles).
 ARMS = {   # in order of interest: the budget guard drops the tail
     "bf16": {
         "cur": None,
+        "pf_n64s3": _plain(64, stages=3, pf=1),
+        "pf_n64s4": _plain(64, stages=4, pf=1),
+        "pf_n128s3": _plain(128, stages=3, pf=1),
+        "pf_n64s2": _plain(64, stages=2, pf=1),
         "swap_vnat": _pair(64, stages=2, vnat=1),
         "no_vnat": _pair(64, stages=2),
         "vnat_s3": _pair(64, stages=3, vnat=1),
@@ -114,6 +119,14 @@ ARMS = {   # in order of interest: the budget guard drops the tail
     },
     "e4m3": {
         "cur": None,
+        "pf_n64s3": _plain(64, stages=3, f16=1, vcvt=1, pf=1),
+        "pf_n64s4": _plain(64, stages=4, f16=1, vcvt=1, pf=1),
+        "pf_n64s5": _plain(64, stages=5, f16=1, vcvt=1, pf=1),
+        "pf_n128s3": _plain(128, stages=3, f16=1, vcvt=1, pf=1),
+        "pf_n64s2": _plain(64, stages=2, f16=1, vcvt=1, pf=1),
+        "pf_n64s3_w8": _plain(64, warps=8, stages=3, f16=1, vcvt=1, pf=1),
+        "pf_n32s3": _plain(32, stages=3, f16=1, vcvt=1, pf=1),
+        "pf_n32s4": _plain(32, stages=4, f16=1, vcvt=1, pf=1),
         "swap_f16": _pair(128, f16=1),
         "swap_f16_p32": _pair(128, f16=1, pre_m=32),
         "cvt_mma2_n128s2": _plain(128, f16=1, vcvt=1),

@@ -6,14 +6,15 @@ head), so decode (one token) still feeds the tensor cores. Keys/values are read 
 tiles of BLOCK_N absolute positions starting at position 0 — [0, BLOCK_N), [BLOCK_N, 2*BLOCK_N), ... —
 with BLOCK_N a multiple of KV_CHUNK, and reduced with an fp32 online softmax in increasing tile order.
 kernels/paged_attention_kernel.py is the kernel body: its FP16_KV form runs an e4m3 cache's products in
-fp16 (exact for bf16 q), V_CVT converts an e4m3 value tile before it becomes an MMA operand, and its
+fp16 (exact for bf16 q), V_CVT converts an e4m3 value tile before it becomes an MMA operand, PREFETCH loads
+the block ids a tile ahead so the key/value copies are double-buffered, and its
 SWAP form (transposed tiles S^T = K Q^T, O^T += V^T P^T, the query rows the MMA's N dimension; what the
 engine ran until 2026-12-02) stays for benchmarks/attn_variants.py to compare.
 
 Why a token's output bits never depend on scheduling (prefill chunk, decode, prefix-cache hit, batch):
-- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, V_CVT, warps, stages) depends only on (GROUP, head_dim,
-  dtype, cache dtype), and BLOCK_M only on whether the step is a decode step (one token per sequence,
-  decode tiles of DECODE_BLOCK_M rows) or not;
+- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, V_CVT, PREFETCH, warps, stages) depends only on (GROUP,
+  head_dim, dtype, cache dtype), and BLOCK_M only on whether the step is a decode step (one token per
+  sequence, decode tiles of DECODE_BLOCK_M rows) or not;
 - a row's arithmetic does not depend on which row of the tile it occupies, nor on how many rows the tile
   has. In the untransposed tile (the engine's) BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync
   (Triton's wgmma needs M % 64 == 0), 64 to wgmma, and mma.sync and wgmma give different bits (measured on
@@ -53,7 +54,9 @@ _LOG2E = 1.4426950408889634
 # 32 prefill rows, both mma.sync (2026-12-02 16:58 UTC), against the transposed wgmma tiles shipped before:
 # 16-bit cache, 8B shape decode 185 -> 161 us at 256 x 640 positions (prefill of 16 x 512 tokens 274 -> 290),
 # 0.5B 29.8 -> 25.9 us (87 -> 91); e4m3 cache with fp16 products under bf16 q and the value tile converted
-# before it becomes an operand (V_CVT), 8B 158 -> 135 us (301 -> 330), 0.5B 32.2 -> 23.7 us (84 -> 97).
+# before it becomes an operand (V_CVT), 8B 158 -> 135 us (301 -> 330), 0.5B 32.2 -> 23.7 us (84 -> 97);
+# then the block ids a tile ahead with 3 stages (PREFETCH, 2026-12-02 20:00 UTC): e4m3 8B 134 -> 121 us,
+# 0.5B 22.4 -> 21.0 (prefill unchanged; no gain on a bf16 cache).
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 _PLAN_ATTR = "_paged_attention_plans"
@@ -71,11 +74,12 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         if decode and block_m == PREFILL_BLOCK_M:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
-        cfg = {"BLOCK_N": block_n, "num_stages": 2, "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16),
-               "V_CVT": int(kv_fp8)}
+        # e4m3: the block ids one tile ahead (PREFETCH) let 3 stages double-buffer the key/value copies.
+        cfg = {"BLOCK_N": block_n, "num_stages": 3 if kv_fp8 else 2, "PREFETCH": int(kv_fp8),
+               "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
     else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-        cfg = {"BLOCK_N": 32, "num_stages": 2, "FP16_KV": 0, "V_CVT": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "FP16_KV": 0, "V_CVT": 0, "PREFETCH": 0}
     assert cfg["BLOCK_N"] % KV_CHUNK == 0
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "num_warps": 4, "SWAP": 0, "V_NAT": 0, **cfg}
 
@@ -155,6 +159,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
         V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])), V_CVT=int(bool(cfg.get("V_CVT", 0) and kv_fp8)),
+        PREFETCH=int(bool(cfg.get("PREFETCH", 0) and not cfg["SWAP"])),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

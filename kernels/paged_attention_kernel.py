@@ -1,6 +1,6 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
-the batch-invariance argument). Four constexpr knobs beyond the tile shape; the engine runs the untransposed
-tile with FP16_KV and V_CVT on an e4m3 cache, the others are measured alternatives:
+the batch-invariance argument). Five constexpr knobs beyond the tile shape; the engine runs the untransposed
+tile with FP16_KV, V_CVT and PREFETCH on an e4m3 cache, the others are measured alternatives:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -25,6 +25,13 @@ tile with FP16_KV and V_CVT on an e4m3 cache, the others are measured alternativ
   shared memory a byte at a time (the MMA wants pairs of consecutive keys; the cache holds consecutive
   head dims). Same values, so the same bits as without it. H200, 8B heads: decode 158 -> 134 us against
   the transposed tile (benchmarks/RESULTS.md, 2026-12-02 16:58 UTC).
+- PREFETCH (untransposed tile): tile j + 1's block ids are loaded while tile j runs. Left alone, Triton's
+  pipeliner sees block ids -> key/value addresses -> copies as one chain inside each iteration: at 2 stages
+  it keeps one shared-memory buffer per operand, issues the next copy after the products and waits for it
+  at the top of the next iteration, so a program never overlaps its own loads with its arithmetic. With the
+  ids a loop-carried value, 3 stages double-buffer the copies (tile j + 1 in flight during tile j). Data
+  movement only: the same bits. H200, e4m3 cache: 8B decode 134 -> 121 us, 0.5B 22.4 -> 21.0 (prefill
+  unchanged); a bf16 cache gains nothing (it already reads at ~4.1 TB/s) and keeps 2 stages.
 """
 
 from __future__ import annotations
@@ -45,6 +52,53 @@ def _row_pow2_scale(q):
     return (qf * mult[:, None]).to(tl.float16), inv
 
 
+@triton.jit
+def _tile_blocks(bt_row, j, last_pos, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache block of each position of key tile j (block 0 past `last_pos`: those loads are masked)."""
+    kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_pos <= last_pos, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(base, block, j, last_pos, stride_b, stride_s, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Key or value tile j [BLOCK_N, HEAD_DIM] of one kv head; positions past `last_pos` read as 0 (never
+    loaded: unwritten slots may hold NaN bits)."""
+    kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    return tl.load(base + block[:, None] * stride_b + (kv_pos % BLOCK_SIZE)[:, None] * stride_s + d[None, :],
+                   mask=(kv_pos <= last_pos)[:, None], other=0.0)
+
+
+@triton.jit
+def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE: tl.constexpr,
+                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr):
+    """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it."""
+    if KV_FP8:   # exact: every e4m3 value is a bf16/fp16/fp32 value
+        k = k.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so tiles
+    # that are fully masked for a row leave its state bit-identical.
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_FP8:
+        v = v.to(q.dtype)
+        if V_CVT:
+            v = v * cvt_one
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
 # stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
 # step runs the same binary.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -57,6 +111,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
     SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr, V_CVT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,8 +141,8 @@ def paged_attention_kernel(
     else:
         row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * qk_scale
 
-    if V_CVT:   # an exact x1 Triton cannot fold away (module docstring, V_CVT)
-        v_one = (tl.load(v_scale_ptr + kv_head) * 0.0 + 1.0).to(q.dtype)
+    # An exact x1 Triton cannot fold away (module docstring, V_CVT); unused (and dropped) otherwise.
+    cvt_one = (tl.load(v_scale_ptr + kv_head) * 0.0 + 1.0).to(q.dtype)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SWAP:
@@ -98,68 +153,64 @@ def paged_attention_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for j in range(0, last_pos // BLOCK_N + 1):
-        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_ok = kv_pos <= last_pos
-        block = tl.load(bt_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        offset = kv_pos % BLOCK_SIZE
-        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks + d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
-        if SWAP:
-            # S^T: keys down, query rows across; the softmax state of a row is its column's.
-            if IEEE:
-                s = tl.dot(k, q_t, input_precision="ieee")
-            else:
-                s = tl.dot(k, q_t)
-            s = tl.where(kv_pos[:, None] <= q_pos[None, :], s * row_scale[None, :], float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so
-            # tiles that are fully masked for a row leave its state bit-identical.
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            if V_NAT:
-                v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
-                            mask=kv_ok[:, None], other=0.0)
+    num_tiles = last_pos // BLOCK_N + 1
+    if PREFETCH:
+        # The block ids of tile j + 1 are requested while tile j runs, so a tile's key/value loads never
+        # wait on the block-table load of their own iteration (Triton's pipeliner then overlaps the key/
+        # value copies with the products; left alone it serialises block ids -> copies -> products).
+        block_next = _tile_blocks(bt_row, 0, last_pos, BLOCK_N, BLOCK_SIZE)
+        for j in range(0, num_tiles):
+            block = block_next
+            block_next = _tile_blocks(bt_row, j + 1, last_pos, BLOCK_N, BLOCK_SIZE)
+            k = _load_tile(k_base, block, j, last_pos, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+            v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+            m_i, l_i, acc = _tile_update(q, k, v, j * BLOCK_N + tl.arange(0, BLOCK_N), q_pos, row_scale,
+                                         m_i, l_i, acc, cvt_one, IEEE, KV_FP8, V_CVT)
+    else:
+        for j in range(0, num_tiles):
+            kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            block = _tile_blocks(bt_row, j, last_pos, BLOCK_N, BLOCK_SIZE)
+            k = _load_tile(k_base, block, j, last_pos, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+            if SWAP:
                 if KV_FP8:
-                    v = v.to(q.dtype)
-                    if V_CVT:
-                        v = v * v_one
-                v_t = tl.trans(v)
+                    k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+                # S^T: keys down, query rows across; the softmax state of a row is its column's.
+                if IEEE:
+                    s = tl.dot(k, q_t, input_precision="ieee")
+                else:
+                    s = tl.dot(k, q_t)
+                s = tl.where(kv_pos[:, None] <= q_pos[None, :], s * row_scale[None, :], float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so
+                # tiles that are fully masked for a row leave its state bit-identical.
+                alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+                p = tl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                if V_NAT:
+                    v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                                   HEAD_DIM)
+                    if KV_FP8:
+                        v = v.to(q.dtype)
+                        if V_CVT:
+                            v = v * cvt_one
+                    v_t = tl.trans(v)
+                else:
+                    offset = kv_pos % BLOCK_SIZE
+                    v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs
+                                  + d[:, None], mask=(kv_pos <= last_pos)[None, :], other=0.0)
+                    if KV_FP8:
+                        v_t = v_t.to(q.dtype)
+                acc = acc * alpha[None, :]
+                if IEEE:
+                    acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(v_t, p.to(v_t.dtype), acc)
+                m_i = m_new
             else:
-                v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs + d[:, None],
-                              mask=kv_ok[None, :], other=0.0)
-                if KV_FP8:
-                    v_t = v_t.to(q.dtype)
-            acc = acc * alpha[None, :]
-            if IEEE:
-                acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(v_t, p.to(v_t.dtype), acc)
-        else:
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))   # see above: exactly 1 if unchanged
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :],
-                        mask=kv_ok[:, None], other=0.0)
-            if KV_FP8:
-                v = v.to(q.dtype)
-                if V_CVT:
-                    v = v * v_one
-            acc = acc * alpha[:, None]
-            if IEEE:
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+                v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                               HEAD_DIM)
+                m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
+                                             IEEE, KV_FP8, V_CVT)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:

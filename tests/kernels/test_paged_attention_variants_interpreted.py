@@ -51,9 +51,11 @@ def caches():
     return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
 
 
-def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0) -> dict[str, int]:
+def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0,
+         prefetch: int = 0) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": 32, "num_warps": 4,
-            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat, "V_CVT": vcvt}
+            "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat, "V_CVT": vcvt,
+            "PREFETCH": prefetch}
 
 
 @pytest.mark.parametrize("block_m,swap,vnat", [(64, 0, 0), (16, 0, 0), (16, 1, 0), (64, 1, 0), (16, 1, 1)])
@@ -103,6 +105,26 @@ def test_converted_value_operand_is_the_same_attention(pa, caches, block_m, swap
     torch.testing.assert_close(out, base, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cache,block_m,fp16_kv,vcvt", [
+    ("f32", 16, 0, 0), ("f32", 64, 0, 0), ("f32", 32, 0, 0), ("e4m3", 16, 1, 1), ("e4m3", 32, 1, 1),
+    ("e4m3", 64, 0, 0)])
+def test_prefetched_block_ids_are_the_same_attention(pa, caches, cache, block_m, fp16_kv, vcvt):
+    """PREFETCH (each tile's block ids requested one tile ahead) moves data earlier, never the arithmetic:
+    the output equals the plain kernel's bit for bit (the same positions are read, masked ones never),
+    and the reference's attention."""
+    c = caches
+    if cache == "f32":
+        args = (c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None)
+    else:
+        args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    out = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt, prefetch=1))
+    base = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt))
+    tol = 2e-3 if fp16_kv else 2e-5
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=tol, rtol=tol)
+    torch.testing.assert_close(out, base, atol=0, rtol=0)
+
+
 def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
     """Rows far above fp16's max (65504) and far below its normal range stay exact after the power-of-two
     rescale: the output matches the reference instead of turning into inf/NaN or losing the small rows."""
@@ -130,6 +152,8 @@ def test_decode_configs_keep_the_kv_tiles(pa):
                     dec = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=True)
                     assert pre["BLOCK_N"] == dec["BLOCK_N"] and pre["SWAP"] == dec["SWAP"]
                     assert pre["FP16_KV"] == dec["FP16_KV"] and pre["V_NAT"] == dec["V_NAT"]
+                    for key in ("num_warps", "V_CVT", "PREFETCH", "num_stages"):
+                        assert pre[key] == dec[key], key
                     for cfg in (pre, dec):
                         assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
                     if pre["BLOCK_M"] != dec["BLOCK_M"]:   # only where a row's bits cannot tell them apart:
