@@ -34,11 +34,14 @@ def job(tmp_path_factory, tiny_checkpoint) -> tuple[str, dict[str, str], Path]:
 def test_signal_mid_run_exits_75_and_the_resume_is_byte_identical(job, signum) -> None:
     spec, reference, root = job
     url = str(root / f"out-{signum.name}")
-    proc = start_submit(Path(spec), url)
+    # Paused right after its first commit: the signal lands mid-run however fast the machine finishes
+    # this tiny job (it once completed all 12 parts between the first commit being seen and the signal).
+    proc = start_submit(Path(spec), url, pause_at="after_part_committed:1")
     out = reader(url)
     deadline = time.monotonic() + 120
     while proc.poll() is None and not out.committed_part_ids() and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proc.poll() is None, "the submit ended before its first commit was seen"
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]

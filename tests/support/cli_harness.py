@@ -28,13 +28,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def start_submit(spec: Path, output: str, *extra: str, env: dict | None = None,
-                 kill_at: str | None = None) -> subprocess.Popen:
-    """`deepinfer-job submit SPEC --set output.path=OUTPUT ...` in a new session (own process group)."""
+                 kill_at: str | None = None, pause_at: str | None = None) -> subprocess.Popen:
+    """`deepinfer-job submit SPEC --set output.path=OUTPUT ...` in a new session (own process group);
+    `kill_at` / `pause_at`: SIGKILL or pause it at commit-protocol points (tests/support/kill_hooks.py)."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("DEEPINFER_TEST_KILL_AT", None)
+    full_env.pop("DEEPINFER_TEST_PAUSE_AT", None)
     module = "deepinfer.pipeline.cli"
-    if kill_at:  # the product has no kill hook: the test entry point installs it (kill_hooks.py)
-        full_env["DEEPINFER_TEST_KILL_AT"] = kill_at
+    if kill_at or pause_at:  # the product has no such hooks: the test entry point installs them
+        full_env["DEEPINFER_TEST_KILL_AT"] = kill_at or ""
+        full_env["DEEPINFER_TEST_PAUSE_AT"] = pause_at or ""
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, full_env.get("PYTHONPATH")]))
         module = "tests.support.killable_cli"
     cmd = [sys.executable, "-m", module, "submit", str(spec), "--set", f"output.path={output}", *extra]
