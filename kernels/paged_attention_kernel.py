@@ -159,58 +159,54 @@ def paged_attention_kernel(
         # wait on the block-table load of their own iteration (Triton's pipeliner then overlaps the key/
         # value copies with the products; left alone it serialises block ids -> copies -> products).
         block_next = _tile_blocks(bt_row, 0, last_pos, BLOCK_N, BLOCK_SIZE)
-        for j in range(0, num_tiles):
+    for j in range(0, num_tiles):
+        kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREFETCH:
             block = block_next
             block_next = _tile_blocks(bt_row, j + 1, last_pos, BLOCK_N, BLOCK_SIZE)
-            k = _load_tile(k_base, block, j, last_pos, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-            v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-            m_i, l_i, acc = _tile_update(q, k, v, j * BLOCK_N + tl.arange(0, BLOCK_N), q_pos, row_scale,
-                                         m_i, l_i, acc, cvt_one, IEEE, KV_FP8, V_CVT)
-    else:
-        for j in range(0, num_tiles):
-            kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
             block = _tile_blocks(bt_row, j, last_pos, BLOCK_N, BLOCK_SIZE)
-            k = _load_tile(k_base, block, j, last_pos, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-            if SWAP:
-                if KV_FP8:
-                    k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
-                # S^T: keys down, query rows across; the softmax state of a row is its column's.
-                if IEEE:
-                    s = tl.dot(k, q_t, input_precision="ieee")
-                else:
-                    s = tl.dot(k, q_t)
-                s = tl.where(kv_pos[:, None] <= q_pos[None, :], s * row_scale[None, :], float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so
-                # tiles that are fully masked for a row leave its state bit-identical.
-                alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-                p = tl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                if V_NAT:
-                    v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
-                                   HEAD_DIM)
-                    if KV_FP8:
-                        v = v.to(q.dtype)
-                        if V_CVT:
-                            v = v * cvt_one
-                    v_t = tl.trans(v)
-                else:
-                    offset = kv_pos % BLOCK_SIZE
-                    v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs
-                                  + d[:, None], mask=(kv_pos <= last_pos)[None, :], other=0.0)
-                    if KV_FP8:
-                        v_t = v_t.to(q.dtype)
-                acc = acc * alpha[None, :]
-                if IEEE:
-                    acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(v_t, p.to(v_t.dtype), acc)
-                m_i = m_new
+        k = _load_tile(k_base, block, j, last_pos, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        if SWAP:
+            if KV_FP8:
+                k = k.to(q.dtype)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+            # S^T: keys down, query rows across; the softmax state of a row is its column's.
+            if IEEE:
+                s = tl.dot(k, q_t, input_precision="ieee")
             else:
+                s = tl.dot(k, q_t)
+            s = tl.where(kv_pos[:, None] <= q_pos[None, :], s * row_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so
+            # tiles that are fully masked for a row leave its state bit-identical.
+            alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            if V_NAT:
                 v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                                HEAD_DIM)
-                m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                             IEEE, KV_FP8, V_CVT)
+                if KV_FP8:
+                    v = v.to(q.dtype)
+                    if V_CVT:
+                        v = v * cvt_one
+                v_t = tl.trans(v)
+            else:
+                offset = kv_pos % BLOCK_SIZE
+                v_t = tl.load(v_base + block[None, :] * stride_vb + offset[None, :] * stride_vs
+                              + d[:, None], mask=(kv_pos <= last_pos)[None, :], other=0.0)
+                if KV_FP8:
+                    v_t = v_t.to(q.dtype)
+            acc = acc * alpha[None, :]
+            if IEEE:
+                acc = tl.dot(v_t, p.to(v_t.dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(v_t, p.to(v_t.dtype), acc)
+            m_i = m_new
+        else:
+            v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
+                           HEAD_DIM)
+            m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
+                                         IEEE, KV_FP8, V_CVT)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:
