@@ -7,24 +7,29 @@ tiles of BLOCK_N absolute positions starting at position 0 — [0, BLOCK_N), [BL
 with BLOCK_N a multiple of KV_CHUNK, and reduced with an fp32 online softmax in increasing tile order.
 kernels/paged_attention_kernel.py is the kernel body: its FP16_KV form runs an e4m3 cache's products in
 fp16 (exact for bf16 q), V_CVT converts an e4m3 value tile before it becomes an MMA operand, PREFETCH loads
-the block ids a tile ahead so the key/value copies are double-buffered, and its
+the block ids a tile ahead so the key/value copies are double-buffered, DOT_SUM sums the softmax rows on the
+tensor core (so decode and prefill programs may have different warps), and its
 SWAP form (transposed tiles S^T = K Q^T, O^T += V^T P^T, the query rows the MMA's N dimension; what the
 engine ran until 2026-12-02) stays for benchmarks/attn_variants.py to compare.
 
 Why a token's output bits never depend on scheduling (prefill chunk, decode, prefix-cache hit, batch):
-- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, V_CVT, PREFETCH, warps, stages) depends only on (GROUP,
-  head_dim, dtype, cache dtype), and BLOCK_M only on whether the step is a decode step (one token per
-  sequence, decode tiles of DECODE_BLOCK_M rows) or not;
+- the tile config (BLOCK_N, SWAP, FP16_KV, V_NAT, V_CVT, PREFETCH, DOT_SUM, warps, stages) depends only
+  on (GROUP, head_dim, dtype, cache dtype) and whether the step is a decode step (one token per sequence,
+  decode tiles of DECODE_BLOCK_M rows) or not; decode and prefill differ only in BLOCK_M, the stages (data
+  movement) and, under DOT_SUM, the warps;
 - a row's arithmetic does not depend on which row of the tile it occupies, nor on how many rows the tile
   has. In the untransposed tile (the engine's) BLOCK_M is the MMA's M: 16 or 32 rows compile to mma.sync
-  (Triton's wgmma needs M % 64 == 0), 64 to wgmma, and mma.sync and wgmma give different bits (measured on
-  an H200). So decode (16 rows) and prefill (32) both run mma.sync; with BLOCK_M < BLOCK_N Triton spreads
-  a chained dot's warps along the keys for both, so a row's products, its max/sum reductions and its
-  P @ V walk the same registers, lanes and warps in either tile. Groups of 64+ heads take one tile for
-  both. (Under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent and 16 and 64 rows
-  give the same bits.) tests/kernels/test_paged_attention_decode_gpu.py checks it on the GPU: decode steps
-  vs every row of a full prefill, the last rows of random chunks, decode rows in mixed steps; random
-  lengths, bf16 and e4m3;
+  (Triton's wgmma needs M % 64 == 0 and whole warpgroups of 4 warps), 64 rows of 4 warps to wgmma, and
+  mma.sync and wgmma give different bits (measured on an H200). An element of S = Q K^T and of P @ V is
+  one MMA chain over its row and column whatever the warps' layout; the row max is exact in any order; the
+  row sum is not: a tl.sum follows the layout, so the 16-bit cache's tiles (plain row sums) keep the same
+  warps in decode (16 rows) and prefill (32), where Triton spreads a chained dot's warps along the keys
+  for both (BLOCK_M < BLOCK_N), and groups of 64+ heads take one tile for both. Under DOT_SUM (the e4m3
+  cache's tiles) the row sum is itself an MMA chain (p @ ones), so decode runs one-warp programs and
+  prefill two-warp ones, both mma.sync. (Under SWAP a query row is a column of S^T, so BLOCK_M is the
+  MMA's N extent and 16 and 64 rows give the same bits.) tests/kernels/test_paged_attention_decode_gpu.py
+  checks it on the GPU: decode steps vs every row of a full prefill, the last rows of random chunks,
+  decode rows in mixed steps; random lengths, bf16 and e4m3;
 - a row at position p sees the same tiles 0..p // BLOCK_N with the same masking (positions > p are -inf);
 - tiles after p's tile, processed only because a later token of the same program needs them, leave the
   row's state unchanged exactly: the running max does not move (alpha is then exactly 1), p = exp2(-inf) = 0,
@@ -56,7 +61,9 @@ _LOG2E = 1.4426950408889634
 # 0.5B 29.8 -> 25.9 us (87 -> 91); e4m3 cache with fp16 products under bf16 q and the value tile converted
 # before it becomes an operand (V_CVT), 8B 158 -> 135 us (301 -> 330), 0.5B 32.2 -> 23.7 us (84 -> 97);
 # then the block ids a tile ahead with 3 stages (PREFETCH, 2026-12-02 20:00 UTC): e4m3 8B 134 -> 121 us,
-# 0.5B 22.4 -> 21.0 (prefill unchanged; no gain on a bf16 cache).
+# 0.5B 22.4 -> 21.0 (prefill unchanged; no gain on a bf16 cache); then one-warp decode programs with the row
+# sums through the tensor core (DOT_SUM, 2026-12-03): e4m3 8B 121 -> 106.5 us (16-key tiles, 4 stages;
+# prefill 314 -> 317), 0.5B 20.7 -> 18.9 (32-key tiles; prefill 94.7 -> 89.3).
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 _PLAN_ATTR = "_paged_attention_plans"
@@ -65,23 +72,35 @@ _PLAN_ATTR = "_paged_attention_plans"
 def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool = False,
                           decode: bool = False) -> dict[str, int]:
     """Tile config of the kernel: a function of the model shape, the cache dtype and whether the step is a
-    decode step (one query token per sequence), never of the batch. Decode and prefill configs differ in
-    BLOCK_M only, and only where a row's arithmetic does not depend on it (the module docstring)."""
+    decode step (one query token per sequence), never of the batch. Decode and prefill configs differ only
+    where a row's arithmetic does not depend on it (the module docstring): BLOCK_M, the stages, and under
+    DOT_SUM the warps."""
     rows = triton.next_power_of_2(group)
-    if dtype != torch.float32 and head_dim <= 128:   # the measured family: mma.sync tiles, see the docstring
-        block_n = 64 if kv_fp8 or head_dim == 128 else 128
+    if dtype != torch.float32 and head_dim <= 128 and kv_fp8:
+        # e4m3 (the measured family, 2026-12-03): one-warp decode programs (no barriers, no exchange between
+        # warps; 8-12 programs per SM), two-warp prefill programs, the row sums through the tensor core
+        # (DOT_SUM) so the warps may differ; mma.sync for both (wgmma needs 4 warps).
+        block_n = 16 if head_dim == 128 else 32
+        block_m = max(PREFILL_BLOCK_M, rows)
+        cfg = {"BLOCK_N": block_n, "num_stages": 3, "num_warps": 2, "PREFETCH": 1, "DOT_SUM": 1,
+               "FP16_KV": int(dtype == torch.bfloat16), "V_CVT": 1}
+        if decode and rows <= DECODE_BLOCK_M:   # wider groups: one warp would hold too many rows
+            block_m = DECODE_BLOCK_M
+            cfg.update(num_warps=1, num_stages=4 if head_dim == 128 else 3)
+    elif dtype != torch.float32 and head_dim <= 128:   # 16-bit cache: mma.sync tiles, see the docstring
+        block_n = 64 if head_dim == 128 else 128
         block_m = max(PREFILL_BLOCK_M, rows)
         if decode and block_m == PREFILL_BLOCK_M:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
-        # e4m3: the block ids one tile ahead (PREFETCH) let 3 stages double-buffer the key/value copies.
-        cfg = {"BLOCK_N": block_n, "num_stages": 3 if kv_fp8 else 2, "PREFETCH": int(kv_fp8),
-               "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
+        cfg = {"BLOCK_N": block_n, "num_stages": 2, "num_warps": 4, "PREFETCH": 0, "DOT_SUM": 0,
+               "FP16_KV": 0, "V_CVT": 0}
     else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-        cfg = {"BLOCK_N": 32, "num_stages": 2, "FP16_KV": 0, "V_CVT": 0, "PREFETCH": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "FP16_KV": 0, "V_CVT": 0, "PREFETCH": 0,
+               "DOT_SUM": 0}
     assert cfg["BLOCK_N"] % KV_CHUNK == 0
-    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "num_warps": 4, "SWAP": 0, "V_NAT": 0, **cfg}
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
 def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> list[int]:
@@ -160,6 +179,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
         V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])), V_CVT=int(bool(cfg.get("V_CVT", 0) and kv_fp8)),
         PREFETCH=int(bool(cfg.get("PREFETCH", 0) and not cfg["SWAP"])),
+        DOT_SUM=int(bool(cfg.get("DOT_SUM", 0) and not cfg["SWAP"])),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,6 +1,6 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
-the batch-invariance argument). Five constexpr knobs beyond the tile shape; the engine runs the untransposed
-tile with FP16_KV, V_CVT and PREFETCH on an e4m3 cache, the others are measured alternatives:
+the batch-invariance argument). Six constexpr knobs beyond the tile shape; the engine runs the untransposed
+tile with FP16_KV, V_CVT, PREFETCH and DOT_SUM on an e4m3 cache, the others are measured alternatives:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -32,6 +32,12 @@ tile with FP16_KV, V_CVT and PREFETCH on an e4m3 cache, the others are measured 
   ids a loop-carried value, 3 stages double-buffer the copies (tile j + 1 in flight during tile j). Data
   movement only: the same bits. H200, e4m3 cache: 8B decode 134 -> 121 us, 0.5B 22.4 -> 21.0 (prefill
   unchanged); a bf16 cache gains nothing (it already reads at ~4.1 TB/s) and keeps 2 stages.
+- DOT_SUM (untransposed tile): a row's softmax denominator is accumulated as p @ ones, an MMA chain in the
+  same order as p @ V, instead of a tl.sum whose order follows the warps' layout. A row's bits then no
+  longer depend on how many warps share the tile, so decode can run one-warp programs (no barriers or
+  exchanges between warps inside the loop; 8-12 programs per SM) while prefill runs wider ones. It sums the
+  16-bit p that multiplies V (the denominator normalises exactly the weights the numerator used). H200,
+  e4m3 cache: 8B decode 121 -> 106.5 us, 0.5B 20.7 -> 18.9 (benchmarks/RESULTS.md, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -72,8 +78,9 @@ def _load_tile(base, block, j, last_pos, stride_b, stride_s, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE: tl.constexpr,
-                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr):
-    """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it."""
+                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr):
+    """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it.
+    Under DOT_SUM the running sum is a [BLOCK_M, 16] tile whose columns all hold the row's sum."""
     if KV_FP8:   # exact: every e4m3 value is a bf16/fp16/fp32 value
         k = k.to(q.dtype)
     if IEEE:
@@ -86,16 +93,26 @@ def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE
     # that are fully masked for a row leave its state bit-identical.
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
         v = v.to(q.dtype)
         if V_CVT:
             v = v * cvt_one
     acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    pv = p.to(v.dtype)
+    if DOT_SUM:
+        # The row sums as a product with ones: the tensor core sums a row in a fixed order, whatever the
+        # warps' layout (a tl.sum's order follows the layout), of the same rounded p that multiplies V.
+        ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
+        if IEEE:
+            l_i = tl.dot(pv, ones, l_i * alpha[:, None], input_precision="ieee")
+        else:
+            l_i = tl.dot(pv, ones, l_i * alpha[:, None])
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(pv, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(pv, v, acc)
     return m_new, l_i, acc
 
 
@@ -111,7 +128,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
     SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr, V_CVT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,7 +161,10 @@ def paged_attention_kernel(
     # An exact x1 Triton cannot fold away (module docstring, V_CVT); unused (and dropped) otherwise.
     cvt_one = (tl.load(v_scale_ptr + kv_head) * 0.0 + 1.0).to(q.dtype)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if DOT_SUM:
+        l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SWAP:
         acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
         q_t = tl.trans(q)
@@ -206,7 +226,7 @@ def paged_attention_kernel(
             v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM)
             m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                         IEEE, KV_FP8, V_CVT)
+                                         IEEE, KV_FP8, V_CVT, DOT_SUM)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:
@@ -214,6 +234,8 @@ def paged_attention_kernel(
         tl.store(out_ptr + t[None, :] * stride_ot + head[None, :] * stride_oh + d[:, None],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
     else:
+        if DOT_SUM:
+            l_i = tl.max(l_i, axis=1)    # every column holds the sum: max is exact and order-free
         out = acc / l_i[:, None]
         if KV_FP8:
             out = out * tl.load(v_scale_ptr + kv_head)

@@ -25,7 +25,10 @@ pytestmark = [
 
 DEV = "cuda"
 BS = 16
-SHAPES = {"llama8b": (32, 8, 128), "qwen0.5b": (14, 2, 64)}
+# (q heads, kv heads, head_dim): the two benchmark shapes, plus a group of 16 (16-row decode tile, 32-row
+# prefill tile), a group of 32 (decode takes the prefill tile) and plain multi-head attention.
+SHAPES = {"llama8b": (32, 8, 128), "qwen0.5b": (14, 2, 64), "group16": (32, 2, 128), "group32": (64, 2, 64),
+          "mha": (8, 8, 128)}
 
 
 @pytest.fixture(scope="module", params=[(s, c) for s in SHAPES for c in ("bf16", "e4m3")],

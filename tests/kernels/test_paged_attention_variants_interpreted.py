@@ -52,10 +52,10 @@ def caches():
 
 
 def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0,
-         prefetch: int = 0) -> dict[str, int]:
+         prefetch: int = 0, dot_sum: int = 0) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": 32, "num_warps": 4,
             "num_stages": 2, "SWAP": swap, "FP16_KV": fp16_kv, "V_NAT": vnat, "V_CVT": vcvt,
-            "PREFETCH": prefetch}
+            "PREFETCH": prefetch, "DOT_SUM": dot_sum}
 
 
 @pytest.mark.parametrize("block_m,swap,vnat", [(64, 0, 0), (16, 0, 0), (16, 1, 0), (64, 1, 0), (16, 1, 1)])
@@ -125,6 +125,25 @@ def test_prefetched_block_ids_are_the_same_attention(pa, caches, cache, block_m,
     torch.testing.assert_close(out, base, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cache,block_m,fp16_kv,vcvt,prefetch", [
+    ("f32", 16, 0, 0, 0), ("f32", 32, 0, 0, 1), ("f32", 64, 0, 0, 0), ("e4m3", 16, 1, 1, 1),
+    ("e4m3", 32, 1, 1, 1), ("e4m3", 64, 0, 0, 0)])
+def test_row_sums_through_the_tensor_core_are_the_same_attention(pa, caches, cache, block_m, fp16_kv, vcvt,
+                                                                 prefetch):
+    """DOT_SUM (each row's softmax denominator summed as p @ ones, of the rounded p that multiplies V)
+    gives the reference's attention: the denominator sums the same probabilities as the numerator."""
+    c = caches
+    if cache == "f32":
+        args = (c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None)
+    else:
+        args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    out = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt, prefetch=prefetch,
+                                                dot_sum=1))
+    tol = 2e-3 if fp16_kv else 2e-5
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=tol, rtol=tol)
+
+
 def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
     """Rows far above fp16's max (65504) and far below its normal range stay exact after the power-of-two
     rescale: the output matches the reference instead of turning into inf/NaN or losing the small rows."""
@@ -152,10 +171,17 @@ def test_decode_configs_keep_the_kv_tiles(pa):
                     dec = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=True)
                     assert pre["BLOCK_N"] == dec["BLOCK_N"] and pre["SWAP"] == dec["SWAP"]
                     assert pre["FP16_KV"] == dec["FP16_KV"] and pre["V_NAT"] == dec["V_NAT"]
-                    for key in ("num_warps", "V_CVT", "PREFETCH", "num_stages"):
+                    for key in ("V_CVT", "PREFETCH", "DOT_SUM"):
                         assert pre[key] == dec[key], key
                     for cfg in (pre, dec):
                         assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+                    if pre["DOT_SUM"]:
+                        # warps may differ (no layout-ordered row sum), but both must stay on mma.sync:
+                        # wgmma (whole warpgroups, M % 64 == 0) gives other bits
+                        for cfg in (pre, dec):
+                            assert cfg["num_warps"] % 4 or cfg["BLOCK_M"] % 64, cfg
+                        continue
+                    assert pre["num_warps"] == dec["num_warps"]
                     if pre["BLOCK_M"] != dec["BLOCK_M"]:   # only where a row's bits cannot tell them apart:
                         # transposed tiles (rows are the MMA's N), or two mma.sync tiles (M % 64 != 0)
                         # narrower than the key tile (warps along the keys)
