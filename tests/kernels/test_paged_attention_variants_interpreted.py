@@ -58,6 +58,13 @@ def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0
             "PREFETCH": prefetch, "DOT_SUM": dot_sum}
 
 
+def _args(c: dict, cache: str) -> tuple:
+    """`launch_paged_attention`'s leading arguments over the float32 ("f32") or the e4m3 cache, scale 0.3."""
+    if cache == "f32":
+        return (c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None)
+    return (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+
+
 @pytest.mark.parametrize("block_m,swap,vnat", [(64, 0, 0), (16, 0, 0), (16, 1, 0), (64, 1, 0), (16, 1, 1)])
 def test_variants_match_reference_bf16_layout_cache(pa, caches, block_m, swap, vnat):
     c = caches
@@ -82,8 +89,7 @@ def test_variants_match_reference_e4m3_cache(pa, caches, block_m, swap, fp16_kv)
 def test_natural_value_tiles_match_reference_e4m3_cache(pa, caches, block_m, fp16_kv):
     """V_NAT (value tiles loaded in memory order, transposed in registers) on the e4m3 cache: the same
     values as the transposed load, so it agrees with the reference and with the V_NAT=0 kernel."""
-    c = caches
-    args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    args = _args(caches, "e4m3")
     out = pa.launch_paged_attention(*args, _cfg(block_m, 1, fp16_kv, vnat=1))
     base = pa.launch_paged_attention(*args, _cfg(block_m, 1, fp16_kv))
     tol = 2e-3 if fp16_kv else 2e-5
@@ -96,8 +102,7 @@ def test_natural_value_tiles_match_reference_e4m3_cache(pa, caches, block_m, fp1
 def test_converted_value_operand_is_the_same_attention(pa, caches, block_m, swap, vnat, fp16_kv):
     """V_CVT (the converted e4m3 value tile times an exact 1 before the MMA): the same values, so the
     reference's attention and the V_CVT=0 kernel's output."""
-    c = caches
-    args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    args = _args(caches, "e4m3")
     out = pa.launch_paged_attention(*args, _cfg(block_m, swap, fp16_kv, vnat=vnat, vcvt=1))
     base = pa.launch_paged_attention(*args, _cfg(block_m, swap, fp16_kv, vnat=vnat))
     tol = 2e-3 if fp16_kv else 2e-5
@@ -112,11 +117,7 @@ def test_prefetched_block_ids_are_the_same_attention(pa, caches, cache, block_m,
     """PREFETCH (each tile's block ids requested one tile ahead) moves data earlier, never the arithmetic:
     the output equals the plain kernel's bit for bit (the same positions are read, masked ones never),
     and the reference's attention."""
-    c = caches
-    if cache == "f32":
-        args = (c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None)
-    else:
-        args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    args = _args(caches, cache)
     out = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt, prefetch=1))
     base = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt))
     tol = 2e-3 if fp16_kv else 2e-5
@@ -132,11 +133,7 @@ def test_row_sums_through_the_tensor_core_are_the_same_attention(pa, caches, cac
                                                                  prefetch):
     """DOT_SUM (each row's softmax denominator summed as p @ ones, of the rounded p that multiplies V)
     gives the reference's attention: the denominator sums the same probabilities as the numerator."""
-    c = caches
-    if cache == "f32":
-        args = (c["q"], c["kf"], c["vf"], c["meta"], 0.3, None, None)
-    else:
-        args = (c["q"], c["k8"], c["v8"], c["meta"], 0.3, c["ks"], c["vs"])
+    args = _args(caches, cache)
     out = pa.launch_paged_attention(*args, _cfg(block_m, 0, fp16_kv, vcvt=vcvt, prefetch=prefetch,
                                                 dot_sum=1))
     tol = 2e-3 if fp16_kv else 2e-5
