@@ -22,14 +22,15 @@ Why a token's output bits never depend on scheduling (prefill chunk, decode, pre
   (Triton's wgmma needs M % 64 == 0 and whole warpgroups of 4 warps), 64 rows of 4 warps to wgmma, and
   mma.sync and wgmma give different bits (measured on an H200). An element of S = Q K^T and of P @ V is
   one MMA chain over its row and column whatever the warps' layout; the row max is exact in any order; the
-  row sum is not: a tl.sum follows the layout, so the 16-bit cache's tiles (plain row sums) keep the same
-  warps in decode (16 rows) and prefill (32), where Triton spreads a chained dot's warps along the keys
-  for both (BLOCK_M < BLOCK_N), and groups of 64+ heads take one tile for both. Under DOT_SUM (the e4m3
-  cache's tiles) the row sum is itself an MMA chain (p @ ones), so decode runs one-warp programs and
-  prefill two-warp ones, both mma.sync. (Under SWAP a query row is a column of S^T, so BLOCK_M is the
-  MMA's N extent and 16 and 64 rows give the same bits.) tests/kernels/test_paged_attention_decode_gpu.py
-  checks it on the GPU: decode steps vs every row of a full prefill, the last rows of random chunks,
-  decode rows in mixed steps; random lengths, bf16 and e4m3;
+  row sum is not: a tl.sum follows the layout, so the tiles with plain row sums (a 16-bit cache with heads
+  below 128) keep the same warps in decode (16 rows) and prefill (32), where Triton spreads a chained
+  dot's warps along the keys for both (BLOCK_M < BLOCK_N), and groups of 64+ heads take one tile for both.
+  Under DOT_SUM (the e4m3 cache's tiles and a 16-bit cache's 128-dim heads) the row sum is itself an MMA
+  chain (p @ ones), so decode runs one-warp programs and prefill one- or two-warp ones, all mma.sync.
+  (Under SWAP a query row is a column of S^T, so BLOCK_M is the MMA's N extent and 16 and 64 rows give
+  the same bits.) tests/kernels/test_paged_attention_decode_gpu.py checks it on the GPU: decode steps
+  vs every row of a full prefill, the last rows of random chunks, decode rows in mixed steps; random
+  lengths, bf16 and e4m3;
 - a row at position p sees the same tiles 0..p // BLOCK_N with the same masking (positions > p are -inf);
 - tiles after p's tile, processed only because a later token of the same program needs them, leave the
   row's state unchanged exactly: the running max does not move (alpha is then exactly 1), p = exp2(-inf) = 0,
@@ -64,8 +65,17 @@ _LOG2E = 1.4426950408889634
 # 0.5B 22.4 -> 21.0 (prefill unchanged; no gain on a bf16 cache); then one-warp decode programs with the row
 # sums through the tensor core (DOT_SUM, 2026-12-03): e4m3 8B 121 -> 106.5 us (16-key tiles, 4 stages;
 # prefill 314 -> 317), 0.5B 20.7 -> 18.9 (32-key tiles; prefill 94.7 -> 89.3).
+# Then wider prefill tiles under DOT_SUM and the DOT_SUM family on the 8B shape's bf16 cache (2026-12-03):
+# e4m3 8B prefill 319 -> 242 us (one warp, 32 rows), 0.5B 89 -> 69 (two warps, 64 rows); bf16 8B decode
+# 164 -> 162, prefill 286 -> 232. A bf16 cache with 64-dim heads keeps the plain tiles (no gain measured).
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
+# (e4m3 cache, head_dim == 128) -> (BLOCK_N, decode stages, prefill warps, prefill rows, prefill stages)
+_DOT_SUM_TILES = {
+    (True, True): (16, 4, 1, 32, 3),
+    (True, False): (32, 3, 2, 64, 3),
+    (False, True): (32, 3, 2, 64, 2),
+}
 _PLAN_ATTR = "_paged_attention_plans"
 
 
@@ -76,18 +86,23 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
     where a row's arithmetic does not depend on it (the module docstring): BLOCK_M, the stages, and under
     DOT_SUM the warps."""
     rows = triton.next_power_of_2(group)
-    if dtype != torch.float32 and head_dim <= 128 and kv_fp8:
-        # e4m3 (the measured family, 2026-12-03): one-warp decode programs (no barriers, no exchange between
-        # warps; 8-12 programs per SM), two-warp prefill programs, the row sums through the tensor core
-        # (DOT_SUM) so the warps may differ; mma.sync for both (wgmma needs 4 warps).
-        block_n = 16 if head_dim == 128 else 32
-        block_m = max(PREFILL_BLOCK_M, rows)
-        cfg = {"BLOCK_N": block_n, "num_stages": 3, "num_warps": 2, "PREFETCH": 1, "DOT_SUM": 1,
-               "FP16_KV": int(dtype == torch.bfloat16), "V_CVT": 1}
-        if decode and rows <= DECODE_BLOCK_M:   # wider groups: one warp would hold too many rows
+    sixteen_bit_q = dtype != torch.float32 and head_dim <= 128
+    tiles = _DOT_SUM_TILES.get((kv_fp8, head_dim == 128)) if sixteen_bit_q else None
+    if tiles is not None:
+        # DOT_SUM families: one-warp decode programs (no barriers, no exchange between warps), prefill
+        # programs of one or two warps; the row sums through the tensor core so the warps may differ;
+        # mma.sync for all (at most two warps: wgmma needs whole warpgroups).
+        block_n, dec_stages, pre_warps, pre_m, pre_stages = tiles
+        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8),
+               "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
+        if decode and rows <= DECODE_BLOCK_M:
             block_m = DECODE_BLOCK_M
-            cfg.update(num_warps=1, num_stages=4 if head_dim == 128 else 3)
-    elif dtype != torch.float32 and head_dim <= 128:   # 16-bit cache: mma.sync tiles, see the docstring
+            cfg.update(num_warps=1, num_stages=dec_stages)
+        else:   # wider groups decode in a tile of the group's rows; a warp per 32 rows, up to two
+            block_m = rows if decode else max(pre_m, rows)
+            warps = max(1 if decode else pre_warps, block_m // 32)
+            cfg.update(num_warps=min(2, warps), num_stages=pre_stages)
+    elif sixteen_bit_q:   # 16-bit cache, heads below 128: plain row sums, see the module docstring
         block_n = 64 if head_dim == 128 else 128
         block_m = max(PREFILL_BLOCK_M, rows)
         if decode and block_m == PREFILL_BLOCK_M:

@@ -160,7 +160,7 @@ def test_fp16_path_rescales_rows_outside_fp16_range(pa, caches):
 
 def test_decode_configs_keep_the_kv_tiles(pa):
     """Decode and prefill configs of one shape share BLOCK_N (the online-softmax order) and fit the group."""
-    for group in (1, 4, 7, 8, 16):
+    for group in (1, 4, 7, 8, 16, 32, 64):
         for d in (64, 128, 256):
             for dtype in (torch.bfloat16, torch.float32):
                 for kv_fp8 in (False, True):
