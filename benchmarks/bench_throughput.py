@@ -6,6 +6,8 @@ Run on a CUDA machine:
 
 Each arm loads once, runs one full warm-up, then `--runs` measured runs (median, min, max reported).
 `--profile-steps` adds one profiled run per deepinfer mode: GPU busy fraction and host ms per decode step.
+`--profile X --profile-modes deterministic,fast` writes torch.profiler tables of a prefill-heavy run per mode
+(X.deterministic, X.fast) and exits: where deterministic mode's extra time goes.
 `--out X` writes the summary to X and one JSON line per run to X.jsonl.
 
 Random weights (deepinfer: `load_format="dummy"`; HF: `from_config`), prompts of random token ids,
@@ -77,7 +79,8 @@ def _stats(llm) -> dict:
 
 
 def profile_deepinfer(model_dir: Path, prompts, deterministic: bool, out: str | None) -> None:
-    """A short decode-heavy run under torch.profiler: where a step's time goes (device kernels, host)."""
+    """A run of every prompt with 16 output tokens under torch.profiler (mostly prefill at 512-token prompts):
+    where the time goes (device kernels, host)."""
     from deepinfer.engine import LLM, SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,7 +132,10 @@ def main() -> None:
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
     ap.add_argument("--out", default=None, help="summary JSON here, one line per run in OUT.jsonl")
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table here and exit")
+    ap.add_argument("--profile", default=None,
+                    help="write a torch.profiler table of a prefill-heavy run here (one per mode of "
+                         "--profile-modes: PROFILE.<mode>) and exit")
+    ap.add_argument("--profile-modes", default="deterministic", help="modes --profile runs, comma-separated")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="keep prefix caching on (the measured runs then reuse the warm-up's prompt KV)")
     ap.add_argument("--quantization", default=None,
@@ -144,7 +150,14 @@ def main() -> None:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab)
     if args.profile:
-        profile_deepinfer(model_dir, prompts, deterministic=True, out=args.profile)
+        for mode in args.profile_modes.split(","):
+            if mode not in ("deterministic", "fast"):
+                raise SystemExit(f"--profile-modes: {mode!r} is not deterministic or fast")
+            print(f"== {mode}", flush=True)
+            profile_deepinfer(model_dir, prompts, deterministic=mode == "deterministic",
+                              out=f"{args.profile}.{mode}")
+            gc.collect()
+            torch.cuda.empty_cache()
         return
     out = JsonOut(args.out)
     total_in = args.num_prompts * args.prompt_len
