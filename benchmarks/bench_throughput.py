@@ -80,13 +80,14 @@ def _stats(llm) -> dict:
 
 def profile_deepinfer(model_dir: Path, prompts, deterministic: bool, out: str | None) -> None:
     """A run of every prompt with 16 output tokens under torch.profiler (mostly prefill at 512-token prompts):
-    where the time goes (device kernels, host)."""
+    where the time goes (device kernels, host). Prefix caching is off: with it, the profiled run would take
+    its prompts from the warm-up's cache and show decode steps only (as it did until 2026-12-03)."""
     from deepinfer.engine import LLM, SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               deterministic=deterministic, max_model_len=len(prompts[0]) + 64,
-              max_num_seqs=len(prompts), gpu_memory_utilization=0.85)
+              max_num_seqs=len(prompts), gpu_memory_utilization=0.85, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)
     torch.cuda.synchronize()
