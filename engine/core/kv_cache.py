@@ -58,17 +58,28 @@ def blocks_that_fit(spec: KVCacheLayout, cfg: CacheConfig, device: torch.device)
         # just replaced) counts as used in mem_get_info: hand it back first, or the cache loses it.
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used_by_others - _CUDA_ACTIVATION_RESERVE_BYTES
+        in_use = total - free    # this engine's weights and whatever other processes hold
+        share = int(total * cfg.gpu_memory_utilization)
+        budget = share - in_use - _CUDA_ACTIVATION_RESERVE_BYTES
+        why = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {_gib(total)} is {_gib(share)}, "
+               f"{_gib(in_use)} of the device is already in use (this engine's weights and other "
+               f"processes), {_gib(_CUDA_ACTIVATION_RESERVE_BYTES)} is kept for activations")
+        fix = ("raise gpu_memory_utilization, free the device (other processes), or set num_kv_blocks "
+               "(LLM(num_kv_blocks=...))")
     else:
         budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
+        why, fix = f"cpu_kv_cache_gib={cfg.cpu_kv_cache_gib}", "raise cpu_kv_cache_gib"
     n = budget // spec.bytes_per_block
     if n < 1:
         raise ValueError(
-            f"no room for a KV cache on {device}: {budget / 2**30:.2f} GiB available, one block needs "
-            f"{spec.bytes_per_block / 2**20:.2f} MiB; raise gpu_memory_utilization / cpu_kv_cache_gib"
+            f"no room for a KV cache on {device}: {why}, which leaves {_gib(budget)} and one block needs "
+            f"{spec.bytes_per_block / 2**20:.2f} MiB; {fix}"
         )
     return int(n)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def allocate_kv_cache(
