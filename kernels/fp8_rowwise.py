@@ -34,11 +34,12 @@ from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_
 from deepinfer.kernels.fp8_matmul import grouped_tile
 from deepinfer.kernels.fp8_row_quant import quantize_rows
 from deepinfer.kernels.fp8_rowwise_tma import rowwise_tma_launch
-from deepinfer.kernels.gemm_parts import rowwise_scaled_store
+from deepinfer.kernels.gemm_parts import rowwise_epilogue
 from deepinfer.kernels.matmul_tma import tma_usable
 from deepinfer.kernels.reference.fp8_matmul import FP8_DTYPE
 
 __all__ = ["quantize_rows", "fp8_rowwise_linear", "fp8_rowwise_linear_quantized", "rowwise_tile_config",
+           "fp8_rowwise_swiglu_quantized",
            "rowwise_buckets", "RowwisePlanner", "ROWWISE_CANDIDATES", "ROWWISE_TMA_CANDIDATES"]
 
 
@@ -160,7 +161,7 @@ def _rowwise_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, 
                          stride_am, stride_bn, stride_bsn, stride_om,
                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, SWIGLU: tl.constexpr = 0):
     offs_m, offs_n, rows, cols = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -180,8 +181,8 @@ def _rowwise_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, 
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
-                         stride_bsn, stride_om, HAS_BIAS)
+    rowwise_epilogue(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N, stride_bsn,
+                     stride_om, HAS_BIAS, SWIGLU, BLOCK_N)
 
 
 def _check_rowwise_weight(weight: torch.Tensor, scale: torch.Tensor, k: int, device: torch.device) -> None:
@@ -194,24 +195,36 @@ def _check_rowwise_weight(weight: torch.Tensor, scale: torch.Tensor, k: int, dev
                          "scale per output channel; broadcast a per-tensor scale)")
 
 
+def _check_quantized_rows(xq: torch.Tensor, xs: torch.Tensor) -> None:
+    check_tensor("xq", xq, ndim=2, dtypes=(FP8_DTYPE,))
+    check_tensor("xs", xs, ndim=2, dtypes=(torch.float32,), device=xq.device, last_dim_contiguous=False)
+    m = xq.shape[0]
+    if tuple(xs.shape) != (m, 1) or (m > 1 and xs.stride(0) != 1):
+        raise ValueError(f"xs: shape {tuple(xs.shape)} strides {tuple(xs.stride())}, expected ({m}, 1) "
+                         "contiguous (one scale per row)")
+
+
 def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int]) -> torch.Tensor:
-    """The GEMM alone on pre-quantized rows (xq e4m3 [M, K], xs [M, 1]); benchmarks time it separately."""
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict[str, int],
+                   swiglu: bool = False) -> torch.Tensor:
+    """The GEMM alone on pre-quantized rows (xq e4m3 [M, K], xs [M, 1]); benchmarks time it separately.
+    `swiglu`: `weight` is a gate_up weight with rows alternating gate j, up j (no bias) and the result is
+    silu(gate) * up [M, N / 2], computed in the epilogue (`fp8_rowwise_swiglu_quantized`)."""
     m, k = xq.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
     cfg = config
     if cfg.get("TMA", 0) and tma_usable(xq, weight):
-        return rowwise_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg)
+        return rowwise_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg, swiglu)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _rowwise_gemm_kernel[grid](
         xq, xs, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
         xq.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, IMPRECISE_ACC=cfg.get("IMPRECISE_ACC", 0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SWIGLU=int(swiglu), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -254,14 +267,31 @@ def fp8_rowwise_linear_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: tor
     """`fp8_rowwise_linear` on rows the producing op already quantized: xq e4m3 [M, K] with float32 row
     scales xs [M, 1] (`quantize_rows`' contract, e.g. from kernels/fp8_fused_quant.py) -> [M, N] in
     `out_dtype`; bitwise `fp8_rowwise_linear(x)` when (xq, xs) == quantize_rows(x)."""
-    check_tensor("xq", xq, ndim=2, dtypes=(FP8_DTYPE,))
-    check_tensor("xs", xs, ndim=2, dtypes=(torch.float32,), device=xq.device, last_dim_contiguous=False)
     m, k = xq.shape
-    if tuple(xs.shape) != (m, 1) or (m > 1 and xs.stride(0) != 1):
-        raise ValueError(f"xs: shape {tuple(xs.shape)} strides {tuple(xs.stride())}, expected ({m}, 1) "
-                         "contiguous (one scale per row)")
+    _check_quantized_rows(xq, xs)
     _check_rowwise_weight(weight, weight_scale, k, xq.device)
     if m == 0 or weight.shape[0] == 0:
         return torch.empty((m, weight.shape[0]), dtype=out_dtype, device=xq.device)
     cfg = _choose(xq, xs, weight, weight_scale, bias, out_dtype, invariant, config, planner)
     return rowwise_matmul(xq, xs, weight, weight_scale, bias, out_dtype, cfg)
+
+
+def fp8_rowwise_swiglu_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+                                 weight_scale: torch.Tensor, *, out_dtype: torch.dtype,
+                                 invariant: bool = True, config: dict[str, int] | None = None,
+                                 planner: RowwisePlanner | None = None) -> torch.Tensor:
+    """silu(gate) * up [M, I] of an MLP's gate_up projection, the SwiGLU in the GEMM's epilogue: `weight`
+    [2I, K] e4m3 and `weight_scale` [2I, 1] with rows alternating gate j, up j (engine/models/quant/
+    fp8_tensor.interleave_gate_up), rows quantized as in `fp8_rowwise_linear_quantized`. Bitwise
+    kernels/activation.silu_and_mul of that function's output on the [gate | up] weight: the tile config
+    is chosen the same way (by M bucket where `planner` proved it on this weight shape), every GEMM element
+    is rounded as that one stores it, and the activation is the same function."""
+    m, k = xq.shape
+    _check_quantized_rows(xq, xs)
+    _check_rowwise_weight(weight, weight_scale, k, xq.device)
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight: {weight.shape[0]} rows, expected an even count (gate and up)")
+    if m == 0 or weight.shape[0] == 0:
+        return torch.empty((m, weight.shape[0] // 2), dtype=out_dtype, device=xq.device)
+    cfg = _choose(xq, xs, weight, weight_scale, None, out_dtype, invariant, config, planner)
+    return rowwise_matmul(xq, xs, weight, weight_scale, None, out_dtype, cfg, swiglu=True)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import num_sms
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, rowwise_scaled_store
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, rowwise_epilogue
 
 # Programs of the persistent loop under Triton's CPU interpreter: small, so a program loops over tiles.
 _INTERPRETER_PROGRAMS = 3
@@ -30,7 +30,8 @@ _INTERPRETER_PROGRAMS = 3
 @triton.jit(do_not_specialize=["M"])
 def _rowwise_tma_kernel(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, M, N, K, stride_bsn, stride_om,
                         HAS_BIAS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        SWIGLU: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -54,14 +55,16 @@ def _rowwise_tma_kernel(a_desc, as_ptr, b_desc, bs_ptr, bias_ptr, out_ptr, M, N,
         rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         # The pointer kernel's epilogue: the same scaling order, so the same bits.
-        rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
-                             stride_bsn, stride_om, HAS_BIAS)
+        rowwise_epilogue(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N, stride_bsn,
+                         stride_om, HAS_BIAS, SWIGLU, BLOCK_N)
 
 
 def rowwise_tma_launch(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int]) -> torch.Tensor:
-    """out = (xq @ weight^T) * xs * weight_scale^T (+ bias) with TMA tile loads. The caller checked shapes
-    and that TMA can read xq and weight (`tma_usable`, or the interpreter); `cfg` is a rowwise config."""
+                       bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int],
+                       swiglu: bool = False) -> torch.Tensor:
+    """out = (xq @ weight^T) * xs * weight_scale^T (+ bias) with TMA tile loads; `swiglu`: the SWIGLU
+    epilogue (kernels/fp8_rowwise.py, `rowwise_matmul`). The caller checked shapes and that TMA can read xq
+    and weight (`tma_usable`, or the interpreter); `cfg` is a rowwise config."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = xq.shape
@@ -78,7 +81,7 @@ def rowwise_tma_launch(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
         a_desc, xs, b_desc, weight_scale, bias if bias is not None else out, out, m, n, k,
         weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IMPRECISE_ACC=cfg.get("IMPRECISE_ACC", 0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SWIGLU=int(swiglu),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels.e4m3 import e4m3_quotient
 from deepinfer.kernels.fp8_row_quant import row_scale
+from deepinfer.kernels.gemm_parts import swiglu_of
 
 __all__ = ["split_quant", "use_split", "SPLIT_MAX_BYTES", "SPLIT_BLOCK"]
 
@@ -47,9 +48,7 @@ def swiglu_values(x_rows, offs, mask, n_cols):
     values. kernels/fp8_fused_quant.py's one-program kernel uses this same function."""
     gate = tl.load(x_rows + offs, mask=mask, other=0.0)
     up = tl.load(x_rows + n_cols + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return swiglu_of(gate, up).to(tl.float32)
 
 
 @triton.jit

@@ -61,3 +61,44 @@ def rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n,
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_of(gate, up):
+    """silu(gate) * up as kernels/activation.py rounds it (silu in fp32 rounded to the input dtype, the
+    product rounded once), in the input dtype. The fused quantizers (`swiglu_values`) and the rowwise GEMM's
+    SWIGLU epilogue share it, so every path computes the same bits."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N_OUT, stride_bsn,
+                         stride_om, BLOCK_N: tl.constexpr):
+    """The rowwise epilogue of a gate_up GEMM whose weight rows alternate gate j, up j (engine/models/quant/
+    fp8_tensor.interleave_gate_up): each element rounded to the output dtype as `rowwise_scaled_store`
+    stores it, then silu(gate) * up (`swiglu_of`) of each column pair (2j, 2j + 1), stored as column j of
+    the [M, N_OUT] output. Bitwise the plain GEMM over [gate | up] rows, then kernels/activation.py."""
+    sa = tl.load(as_ptr + rows)
+    sb = tl.load(bs_ptr + cols * stride_bsn)
+    y = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
+    gate, up = tl.split(tl.reshape(y, (y.shape[0], BLOCK_N // 2, 2)))
+    h = swiglu_of(gate, up)
+    even, _ = tl.split(tl.reshape(offs_n, (BLOCK_N // 2, 2)))
+    offs_h = even // 2
+    mask = (offs_m[:, None] < M) & (offs_h[None, :] < N_OUT)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_h[None, :], h, mask=mask)
+
+
+@triton.jit
+def rowwise_epilogue(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N, stride_bsn,
+                     stride_om, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rowwise FP8 GEMMs' epilogue, pointer and TMA loads alike: `rowwise_swiglu_store` under SWIGLU
+    (an [M, N / 2] output), else `rowwise_scaled_store`."""
+    if SWIGLU:
+        rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N // 2, stride_bsn,
+                             stride_om, BLOCK_N)
+    else:
+        rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
+                             stride_bsn, stride_om, HAS_BIAS)

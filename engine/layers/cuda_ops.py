@@ -29,6 +29,9 @@ DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
 # them quantized rows (kernels/fp8_fused_quant.py per row, kernels/fp8_group_quant.py per K-group; the same
 # bits either way), e.g. to A/B it.
 DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
+# Set to 1 to compute an MLP's SwiGLU in the epilogue of its rowwise FP8 gate_up GEMM (Ops.swiglu_in_gate_up;
+# the same bits). Opt-in until measured on a GPU.
+FP8_SWIGLU_EPILOGUE_ENV = "DEEPINFER_FP8_SWIGLU_EPILOGUE"
 
 
 class _CudaOps(Ops):
@@ -40,6 +43,8 @@ class _CudaOps(Ops):
         # Read once per backend (not per call), so one engine never mixes the two paths.
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
+        self.swiglu_in_gate_up = (self.fuses_fp8_row_quant
+                                  and os.environ.get(FP8_SWIGLU_EPILOGUE_ENV, "").strip() == "1")
         # The rowwise and block-scaled FP8 GEMMs' M-bucket planners (kernels/fp8_rowwise.py,
         # kernels/fp8_block_plan.py); only the invariant backend has them (the fast mode picks tiles from M
         # freely).
@@ -182,6 +187,17 @@ class _CudaOps(Ops):
         return bp.block_linear(x.contiguous(), weight, weight_scale, bias, group=group,
                                invariant=self.deterministic, planner=self._block_planner,
                                scale_block_n=scale_block_n, table=self._block_table)
+
+    def fp8_swiglu_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
+                          weight_scale: torch.Tensor) -> torch.Tensor:
+        from deepinfer.kernels.fp8_rowwise import fp8_rowwise_swiglu_quantized
+
+        q = x if isinstance(x, QuantizedActivation) else self.quantize_rows(x)
+        check_quantized_input(q, weight_scale, weight.shape[1])
+        if q.group:
+            raise ValueError("fp8_swiglu_linear: rows quantized per K-group; the rowwise GEMM takes per-row")
+        return fp8_rowwise_swiglu_quantized(q.values, q.scales, weight, weight_scale, out_dtype=q.dtype,
+                                            invariant=self.deterministic, planner=self._fp8_planner)
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
         from deepinfer.kernels.fp8_row_quant import quantize_rows

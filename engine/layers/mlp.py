@@ -17,9 +17,19 @@ class GatedMLP(nn.Module):
         self.ops = ops
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, ops, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, ops, dtype, device)
+        # Set at load (models/quant/fp8_loading.py) where gate_up_proj's rows were reordered for
+        # `Ops.fp8_swiglu_linear`: gate j and up j alternate, and the SwiGLU runs in the GEMM's epilogue.
+        self.swiglu_in_gate_up = False
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]."""
+        if self.swiglu_in_gate_up:
+            a = self.ops.fp8_swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.fp8_scale)
+            if not self.down_proj.takes_quantized_rows:
+                return self.down_proj(a)
+            group = self.down_proj.quant_group
+            q = self.ops.quantize_rows(a) if group is None else self.ops.quantize_groups(a, group)
+            return self.down_proj(q)
         h = self.gate_up_proj(x)
         if self.down_proj.takes_quantized_rows:   # FP8 down_proj: SiLU-and-mul quantizes for it
             return self.down_proj(self.ops.silu_and_mul_quant(h, self.down_proj.quant_group))

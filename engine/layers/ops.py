@@ -65,6 +65,9 @@ class Ops:
     # `Linear.takes_quantized_rows`. Off here: the linear quantizes its own input, with the same bits. CUDA
     # backends fuse the quantization into the producing kernel.
     fuses_fp8_row_quant = False
+    # Whether an MLP's rowwise FP8 gate_up projection computes silu(gate) * up in its GEMM's epilogue
+    # (`fp8_swiglu_linear`, its weight rows reordered at load by models/quant/fp8_loading.py). Off here.
+    swiglu_in_gate_up = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
@@ -84,6 +87,16 @@ class Ops:
             k = x.shape[1] if x.group == 0 else group
             return fp8_linear_quantized_ref(x.values, x.scales, weight, weight_scale, bias, k, x.dtype)
         return fp8_linear_ref(x, weight, weight_scale, bias, group)
+
+    def fp8_swiglu_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
+                          weight_scale: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [M, I] of an FP8 gate_up linear with one scale per output channel whose weight
+        rows alternate gate j, up j (models/quant/fp8_tensor.interleave_gate_up). Shared version:
+        `fp8_linear`, the column pairs taken apart, `silu_and_mul`; CUDA backends: the SwiGLU in the GEMM's
+        epilogue, the same bits."""
+        out = self.fp8_linear(x, weight, weight_scale, None, weight.shape[1])
+        pairs = out.view(out.shape[0], -1, 2)
+        return self.silu_and_mul(torch.cat([pairs[..., 0], pairs[..., 1]], dim=1))
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
         """x [M, K] quantized with one scale per row (the rowwise FP8 GEMM's activation format)."""

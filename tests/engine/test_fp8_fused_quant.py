@@ -138,3 +138,38 @@ def test_fp8_layers_take_rows_quantized_as_their_weights_are(llama):
         _fp8_linear(ops, 8, 64, 32)(groups)                          # another K-group than the layer's
     with pytest.raises(ValueError, match="needs an FP8 layer"):
         Linear(64, 4, False, ops, torch.float32)(rows)
+
+
+class _SwigluOps(_FusingOps):
+    """`_FusingOps` whose MLPs compute the SwiGLU in the gate_up linear (the shared composition of
+    `Ops.fp8_swiglu_linear` over weights the loader reordered gate j, up j), counted."""
+
+    swiglu_in_gate_up = True
+
+    def fp8_swiglu_linear(self, x, weight, weight_scale):
+        self.calls["swiglu_gate_up"] += 1
+        return super().fp8_swiglu_linear(x, weight, weight_scale)
+
+
+@pytest.mark.parametrize("quantization,reordered", [("fp8-channel", True), ("fp8", False)])
+def test_swiglu_in_gate_up_wiring_gives_the_same_logits(llama, quantization, reordered):
+    from deepinfer.engine.layers.mlp import GatedMLP
+
+    plain, cfg = _fp8_model(llama, _FusingOps(), quantization)
+    ops = _SwigluOps()
+    fused, _ = _fp8_model(llama, ops, quantization)
+    mlps = [m for m in fused.modules() if isinstance(m, GatedMLP)]
+    # Rowwise gate_up projections are reordered and marked at load; block-scaled ones keep the plain path.
+    assert mlps and all(m.swiglu_in_gate_up == reordered for m in mlps)
+    want, got = _run(plain, cfg), _run(fused, cfg)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    layers, steps = cfg.num_hidden_layers, 4
+    assert ops.calls["swiglu_gate_up"] == (layers * steps if reordered else 0)
+    assert ops.calls["act" if reordered else "act_groups"] == (0 if reordered else layers * steps)
+    if reordered:   # the gate_up weight's rows alternate gate j, up j
+        name = next(n for n, m in fused.named_modules() if isinstance(m, GatedMLP))
+        w_plain = dict(plain.named_modules())[name].gate_up_proj.weight.view(torch.uint8)
+        w_fused = dict(fused.named_modules())[name].gate_up_proj.weight.view(torch.uint8)
+        i = w_plain.shape[0] // 2
+        assert torch.equal(w_fused[0::2], w_plain[:i]) and torch.equal(w_fused[1::2], w_plain[i:])

@@ -129,3 +129,35 @@ def test_llm_fused_path_same_greedy_tokens_with_graphs(tmp_path, monkeypatch, de
         gc.collect()
         torch.cuda.empty_cache()
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_llm_swiglu_in_gate_up_same_tokens_and_logprobs(tmp_path, monkeypatch, deterministic):
+    """Through LLM (CUDA graphs, overlap), per-channel FP8: the SwiGLU in the gate_up GEMM's epilogue
+    (DEEPINFER_FP8_SWIGLU_EPILOGUE=1) gives the fused path's tokens and logprobs bit for bit."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.layers.cuda_ops import FP8_SWIGLU_EPILOGUE_ENV
+    from deepinfer.engine.layers.mlp import GatedMLP
+
+    from benchmarks.shapes import write_shape
+
+    d = write_shape("qwen2.5-0.5b", tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 150000, (int(n),), generator=gen).tolist() for n in (5, 70, 300, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = {}
+    for epilogue in (True, False):
+        monkeypatch.setenv(FP8_SWIGLU_EPILOGUE_ENV, "1" if epilogue else "0")
+        llm = LLM(model=str(d), load_format="dummy", quantization="fp8-channel", deterministic=deterministic,
+                  max_model_len=1024, gpu_memory_utilization=0.3)
+        mlps = [m for m in llm.model.modules() if isinstance(m, GatedMLP)]
+        assert mlps and all(m.swiglu_in_gate_up == epilogue for m in mlps)
+        outs[epilogue] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

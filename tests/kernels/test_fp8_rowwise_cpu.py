@@ -4,6 +4,7 @@ test_fp8_moe_interpreted.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from deepinfer.kernels.reference.fp8_matmul import fp8_linear_ref, fp8_rowwise_linear_ref
 
@@ -24,6 +25,27 @@ def test_rowwise_reference_is_per_channel_dequantized_matmul():
     assert float((out - dense).abs().max()) < 0.1 * float(dense.abs().max())
 
 
-@launches("tests/kernels/test_fp8_rowwise_interpreted.py", "tests/kernels/test_fp8_moe_interpreted.py")
+@launches("tests/kernels/test_fp8_rowwise_interpreted.py", "tests/kernels/test_fp8_moe_interpreted.py",
+          "tests/kernels/test_fp8_swiglu_epilogue_interpreted.py")
 def test_rowwise_and_moe_kernels_pass_under_interpreter(request):
     run_interpreted(request, "FP8 rowwise GEMM and FP8 MoE")
+
+
+def test_interleave_gate_up_alternates_gate_and_up_rows_with_their_scales():
+    from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up
+
+    w = torch.arange(6 * 4, dtype=torch.float32).view(6, 4).to(torch.float8_e4m3fn)
+    s = torch.arange(6, dtype=torch.float32).view(6, 1)
+    wi, si = interleave_gate_up(w, s)
+    order = [0, 3, 1, 4, 2, 5]          # gate 0, up 0, gate 1, up 1, ...
+    assert torch.equal(wi.view(torch.uint8), w.view(torch.uint8)[order])
+    assert torch.equal(si, s[order])
+
+
+@pytest.mark.parametrize("rows,scale_rows", [(5, 5), (6, 5)])
+def test_interleave_gate_up_rejects_an_odd_or_mismatched_weight(rows, scale_rows):
+    from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up
+
+    w = torch.zeros(rows, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="expected \\[2I, K\\] and \\[2I, 1\\]"):
+        interleave_gate_up(w, torch.ones(scale_rows, 1))

@@ -26,6 +26,7 @@ from deepinfer.engine.models.quant.fp8_format import QuantPlan
 from deepinfer.engine.models.quant.fp8_tensor import (
     FP8_DTYPE,
     dequantize_fp8,
+    interleave_gate_up,
     quantize_fp8_block,
     quantize_fp8_channel,
     row_scales,
@@ -164,7 +165,28 @@ def load_with_plan(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         return
     fp8_modules, experts = _prepare(model, plan)
     model.load_weights(fp8_weight_stream(weights, plan, fp8_modules, experts))
+    reorder_swiglu_gate_up(model)
     mark_scale_blocks(model)
+
+
+@torch.no_grad()
+def reorder_swiglu_gate_up(model: nn.Module) -> None:
+    """Where the ops backend computes the SwiGLU in the gate_up GEMM's epilogue (`Ops.swiglu_in_gate_up`):
+    each MLP whose gate_up projection is FP8 with one scale per output channel and no bias gets its weight
+    rows and scales reordered gate j, up j (`interleave_gate_up`) and `swiglu_in_gate_up` set. Once, after
+    the weights are loaded; a layer that does not qualify keeps the unfused path."""
+    from deepinfer.engine.layers.mlp import GatedMLP
+
+    for mlp in model.modules():
+        if not isinstance(mlp, GatedMLP) or mlp.swiglu_in_gate_up or not mlp.ops.swiglu_in_gate_up:
+            continue
+        proj = mlp.gate_up_proj
+        if proj.bias is not None or proj.quant_group is not None or proj.weight.dtype != FP8_DTYPE:
+            continue
+        weight, scale = interleave_gate_up(proj.weight, getattr(proj, SCALE_PARAM))
+        proj.weight.copy_(weight)
+        getattr(proj, SCALE_PARAM).copy_(scale)
+        mlp.swiglu_in_gate_up = True
 
 
 # Rows per weight-scale block for which an FP8 GEMM may read one scale per tile (kernels/fp8_block_tma.py).
@@ -229,4 +251,5 @@ def init_dummy_with_plan(model: nn.Module, plan: QuantPlan, seed: int = 0) -> No
             q, scale, block = quantize_for_load(weight, plan)
             getattr(target[0], target[1]).copy_(q)
             write_expert_scales(target, q, scale, block)
+    reorder_swiglu_gate_up(model)
     mark_scale_blocks(model)

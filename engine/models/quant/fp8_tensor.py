@@ -129,3 +129,19 @@ def row_scales(scale: torch.Tensor, n: int, k: int, group: int,
         return s.repeat_interleave(bn, 0)[:n][:, first].contiguous()
     full = expand_block_scales(s, n, group * groups, block)  # channel / tensor: constant along K
     return full[:, ::group].contiguous()
+
+
+def interleave_gate_up(weight: torch.Tensor,
+                       weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gate_up weight [2I, K] with its per-channel scales [2I, 1], rows [gate | up] -> rows alternating
+    gate j, up j (rows 2j, 2j + 1): the order kernels/fp8_rowwise.fp8_rowwise_swiglu_quantized reads. A
+    row's products do not depend on where the row sits in the weight, so the GEMM's elements keep their
+    bits."""
+    two_i = weight.shape[0]
+    if two_i % 2 or tuple(weight_scale.shape) != (two_i, 1):
+        raise ValueError(f"interleave_gate_up: weight {tuple(weight.shape)}, scale "
+                         f"{tuple(weight_scale.shape)}: expected [2I, K] and [2I, 1]")
+    order = torch.arange(two_i, device=weight.device).view(2, two_i // 2).t().reshape(-1)
+    rows = weight.view(torch.uint8).index_select(0, order).view(weight.dtype)
+    return rows.contiguous(), weight_scale.index_select(0, order).contiguous()
+

@@ -1,0 +1,111 @@
+"""The SwiGLU in the rowwise FP8 gate_up GEMM's epilogue against the GEMM followed by the fused
+SiLU-and-mul quantizer: what an MLP runs between its gate_up input and its down projection's e4m3 rows.
+
+Run on the GPU machine from the repository root (after `pip install -e .`), under a minute:
+    python3 benchmarks/fp8_swiglu_timing.py [--ms 1,64,256,2048,16384] [--shape llama-3.1-8b] [--out x.json]
+
+µs per MLP-middle inside CUDA graphs (fp8_gemm_timing.graph_time), the planner's tile for each M (the
+deterministic engine's), weights cycled past L2 as a decode step reads them:
+- `unfused`: `fp8_rowwise_linear_quantized` over the [gate | up] weight -> [M, 2I] bf16, then
+  `silu_and_mul_quant` -> e4m3 [M, I] + row scales (what the engine runs by default);
+- `epilogue`: `fp8_rowwise_swiglu_quantized` over the gate j / up j weight -> [M, I] bf16, then
+  `quantize_rows` (DEEPINFER_FP8_SWIGLU_EPILOGUE=1);
+`bits`: the two arms' e4m3 codes and scales are equal (must be True). Medians of `--repeats` timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import finish_sweep  # noqa: E402
+from benchmarks.fp8_gemm_timing import graph_time  # noqa: E402
+
+SHAPES = {"llama-3.1-8b": (14336, 4096), "qwen2.5-0.5b": (4864, 896)}   # (I, hidden)
+HBM_BYTES = 160 << 20      # weight copies cycled per timing: more than the H200's 50 MB L2
+
+
+def _arms(m: int, i: int, k: int):
+    from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up, quantize_fp8_channel
+    from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
+    from deepinfer.kernels.fp8_row_quant import quantize_rows
+    from deepinfer.kernels.fp8_rowwise import (
+        RowwisePlanner,
+        fp8_rowwise_linear_quantized,
+        fp8_rowwise_swiglu_quantized,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    copies = max(1, min(16, HBM_BYTES // (2 * i * k)))
+    plain, inter = [], []
+    for _ in range(copies):
+        w = (torch.randn(2 * i, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        q, s = quantize_fp8_channel(w)
+        plain.append((q, s.contiguous()))
+        inter.append(interleave_gate_up(q, s.contiguous()))
+    xq, xs = quantize_rows(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+    planner = RowwisePlanner()
+    step = {"i": 0}
+
+    def unfused():
+        q, s = plain[step["i"] % copies]
+        step["i"] += 1
+        h = fp8_rowwise_linear_quantized(xq, xs, q, s, out_dtype=torch.bfloat16, planner=planner)
+        return silu_and_mul_quant(h)
+
+    def epilogue():
+        q, s = inter[step["i"] % copies]
+        step["i"] += 1
+        return quantize_rows(fp8_rowwise_swiglu_quantized(xq, xs, q, s, out_dtype=torch.bfloat16,
+                                                          planner=planner))
+
+    return {"unfused": unfused, "epilogue": epilogue}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,64,256,2048,16384")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=55.0, help="skip the remaining cases past this")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_swiglu_timing.py needs a CUDA GPU")
+    i, k = SHAPES[args.shape]
+    start = time.time()
+    rows = []
+    for m in (int(v) for v in args.ms.split(",")):
+        if time.time() - start > args.budget_s:
+            rows.append({"m": m, "error": "skipped: time budget"})
+            continue
+        arms = _arms(m, i, k)
+        out = {name: fn() for name, fn in arms.items()}
+        (qa, sa), (qb, sb) = out["unfused"], out["epilogue"]
+        rec = {"shape": args.shape, "m": m,
+               "bits": torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)}
+        for name, fn in arms.items():
+            times = [graph_time(fn) * 1e6 for _ in range(args.repeats)]
+            rec[f"{name}_us"] = statistics.median(times)
+            rec[f"{name}_us_all"] = [round(t, 2) for t in times]
+        rec["gain"] = rec["unfused_us"] / rec["epilogue_us"] - 1
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    print("| M | unfused µs | epilogue µs | gain | bits |\n|---|---|---|---|---|")
+    for r in rows:
+        if "gain" in r:
+            print(f"| {r['m']} | {r['unfused_us']:.1f} | {r['epilogue_us']:.1f} | {100 * r['gain']:+.1f}% "
+                  f"| {r['bits']} |")
+    return finish_sweep(rows, args.out, start)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
