@@ -95,7 +95,9 @@ def test_ray_one_engine_commits_part_by_part_and_a_kill_keeps_them(tmp_path, tin
     counts = [n for _, n in seen if len(kept) < n < PARTS]
     assert len(counts) >= 3, seen  # several intermediate states: parts landed one (or a few) at a time
     first_new = next(t for t, n in seen if n > len(kept))
-    assert seen[-1][0] - first_new > 0.5, seen  # the first new marker came well before the last
+    # The first new marker came well before the last: not one burst at the end. (The span is what the
+    # parts take to generate, ~0.5 s on a quiet 2-core runner: a fixed 0.5 s bound failed there once.)
+    assert seen[-1][0] - first_new > 0.1, seen
     assert summary["time_to_first_commit_s"] < summary["wall_seconds"]
     assert 0 < summary["time_to_first_token_s"] <= summary["time_to_first_commit_s"]
     # Where the fixed cost went: engine start, model build, first token, commits, in order (summary.startup).
