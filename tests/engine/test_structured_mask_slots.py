@@ -69,7 +69,16 @@ def test_advance_queues_the_next_mask_and_sampling_uses_it(manager):
         manager.free(s)
 
 
-def test_no_fill_is_queued_past_the_budget_and_slots_are_reused(manager):
+@pytest.fixture
+def fresh_manager(tmp_path):
+    """A manager of its own: fills left running by another test give their slots back whenever they finish
+    (release's callback), which could put another slot on top of the free list mid-test."""
+    with demo_manager(tmp_path, 40, max_threads=2) as m:
+        yield m
+
+
+def test_no_fill_is_queued_past_the_budget_and_slots_are_reused(fresh_manager):
+    manager = fresh_manager
     s = _seq(manager, SamplingParams(json_schema=SCHEMA, max_tokens=1))
     slot = s.grammar.slot
     _sample(manager, [s], torch.Generator().manual_seed(1))
