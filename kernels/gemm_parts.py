@@ -48,14 +48,21 @@ def grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
-                         stride_bsn, stride_om, HAS_BIAS: tl.constexpr):
-    """The rowwise FP8 GEMMs' epilogue (pointer and TMA loads alike): (acc * s_x) * s_w, the reference's
-    order of the two scalings, + bias, stored to the rows / columns inside [M, N]. rows / cols: offs_m /
-    offs_n with the out-of-range ones read as 0 (int64)."""
+def rowwise_scaled(acc, as_ptr, bs_ptr, rows, cols, stride_bsn):
+    """(acc * s_x) * s_w, the reference's order of the two scalings: what every rowwise FP8 epilogue
+    applies first (one copy, so the plain and SWIGLU epilogues round the same values)."""
     sa = tl.load(as_ptr + rows)
     sb = tl.load(bs_ptr + cols * stride_bsn)
-    acc = acc * sa[:, None] * sb[None, :]
+    return acc * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def rowwise_scaled_store(acc, as_ptr, bs_ptr, bias_ptr, out_ptr, offs_m, offs_n, rows, cols, M, N,
+                         stride_bsn, stride_om, HAS_BIAS: tl.constexpr):
+    """The rowwise FP8 GEMMs' epilogue (pointer and TMA loads alike): `rowwise_scaled`, + bias, stored to
+    the rows / columns inside [M, N]. rows / cols: offs_m / offs_n with the out-of-range ones read as 0
+    (int64)."""
+    acc = rowwise_scaled(acc, as_ptr, bs_ptr, rows, cols, stride_bsn)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -80,9 +87,7 @@ def rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, col
     fp8_tensor.interleave_gate_up): each element rounded to the output dtype as `rowwise_scaled_store`
     stores it, then silu(gate) * up (`swiglu_of`) of each column pair (2j, 2j + 1), stored as column j of
     the [M, N_OUT] output. Bitwise the plain GEMM over [gate | up] rows, then kernels/activation.py."""
-    sa = tl.load(as_ptr + rows)
-    sb = tl.load(bs_ptr + cols * stride_bsn)
-    y = (acc * sa[:, None] * sb[None, :]).to(out_ptr.dtype.element_ty)
+    y = rowwise_scaled(acc, as_ptr, bs_ptr, rows, cols, stride_bsn).to(out_ptr.dtype.element_ty)
     gate, up = tl.split(tl.reshape(y, (y.shape[0], BLOCK_N // 2, 2)))
     h = swiglu_of(gate, up)
     even, _ = tl.split(tl.reshape(offs_n, (BLOCK_N // 2, 2)))
