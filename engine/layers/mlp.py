@@ -27,9 +27,7 @@ class GatedMLP(nn.Module):
             a = self.ops.fp8_swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.fp8_scale)
             if not self.down_proj.takes_quantized_rows:
                 return self.down_proj(a)
-            group = self.down_proj.quant_group
-            q = self.ops.quantize_rows(a) if group is None else self.ops.quantize_groups(a, group)
-            return self.down_proj(q)
+            return self.down_proj(self.ops.quantize(a, self.down_proj.quant_group))
         h = self.gate_up_proj(x)
         if self.down_proj.takes_quantized_rows:   # FP8 down_proj: SiLU-and-mul quantizes for it
             return self.down_proj(self.ops.silu_and_mul_quant(h, self.down_proj.quant_group))

@@ -108,7 +108,9 @@ class Ops:
         q, s = quantize_act_ref(x, group)
         return QuantizedActivation(q, s, x.dtype, group)
 
-    def _quantize(self, x: torch.Tensor, group: int | None) -> QuantizedActivation:
+    def quantize(self, x: torch.Tensor, group: int | None) -> QuantizedActivation:
+        """x [M, K] quantized for an FP8 linear whose `Linear.quant_group` is `group`: `quantize_rows`
+        (None) or `quantize_groups`."""
         return self.quantize_rows(x) if group is None else self.quantize_groups(x, group)
 
     def add_rms_norm_quant(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -117,12 +119,12 @@ class Ops:
         token and K-group of `group`. Shared version: the unfused composition; CUDA backends: one kernel,
         the same bits."""
         out, summed = self.add_rms_norm(x, residual, weight, eps)
-        return self._quantize(out, group), summed
+        return self.quantize(out, group), summed
 
     def silu_and_mul_quant(self, x: torch.Tensor, group: int | None = None) -> QuantizedActivation:
         """`silu_and_mul` with the result quantized for an FP8 linear (per row, or per K-group of
         `group`). Shared version: the unfused composition; CUDA backends: one kernel, the same bits."""
-        return self._quantize(self.silu_and_mul(x), group)
+        return self.quantize(self.silu_and_mul(x), group)
 
     def routed_experts_fp8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
