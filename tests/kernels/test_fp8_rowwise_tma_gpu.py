@@ -2,7 +2,10 @@
 kernel's bits for the same config (ragged M / N, K % BLOCK_K != 0, bias, the persistent loop,
 IMPRECISE_ACC); operands TMA cannot read fall back to pointer loads with the same bits; the invariant mode
 with the M-bucket planner (kernels/fp8_rowwise.RowwisePlanner) proves its buckets on the Llama-3.1-8B
-shapes and gives every row the same bits at M = 1, 7, 64, 256, 2048 and 8192, matching the reference."""
+shapes and gives every row the same bits at M = 1, 7, 64, 256, 2048 and 8192, matching the reference.
+The SWIGLU epilogue over a gate_up weight whose rows alternate gate j, up j gives, bit for bit,
+kernels/activation.silu_and_mul of the plain GEMM over the [gate | up] weight, both loaders, and keeps
+every row's bits across M with the planner on the 8B gate_up shape."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 
 import pytest
 import torch
+from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up
 from deepinfer.kernels.reference.fp8_matmul import fp8_rowwise_linear_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -136,3 +140,33 @@ def test_fast_mode_with_tma_matches_the_reference(fr, layers):
         out = fr.fp8_rowwise_linear(x, w, s, invariant=False)
         ref = fp8_rowwise_linear_ref(x.float(), w, s)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("m,i,k,cfg", [
+    (256, 14336, 4096, _cfg(64, 128, 4, 4, TMA=1)),
+    (2048, 14336, 4096, _cfg(128, 256, 8, 3, TMA=1, PERSISTENT=1)),
+    (37, 1000, 4160, _cfg(128, 128, 8, 4, TMA=1)),       # ragged M and I, K % 128 == 64
+    (300, 4864, 896, _cfg(64, 64, 4, 6)),                 # the 0.5B shape, pointer loads
+])
+def test_swiglu_epilogue_is_the_gemm_then_silu_and_mul_bitwise(fr, m, i, k, cfg):
+    from deepinfer.kernels.activation import silu_and_mul
+
+    w, s = _weight(2 * i, k, seed=m + i)
+    xq, xs = fr.quantize_rows(_x(m, k, seed=m))
+    want = silu_and_mul(fr.rowwise_matmul(xq, xs, w, s, None, torch.bfloat16, cfg))
+    wi, si = interleave_gate_up(w, s)
+    for loads in (cfg, {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT")}):
+        got = fr.rowwise_matmul(xq, xs, wi, si, None, torch.bfloat16, loads, swiglu=True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), loads
+
+
+def test_swiglu_linear_rows_are_batch_invariant_with_the_planner(fr, layers):
+    wi, si = interleave_gate_up(*layers["gate_up"])
+    planner = fr.RowwisePlanner()
+    xq, xs = fr.quantize_rows(_x(2048, 4096, seed=3))
+    full = fr.fp8_rowwise_swiglu_quantized(xq, xs, wi, si, out_dtype=torch.bfloat16, planner=planner)
+    assert all(planner.verdicts().values())
+    for rows in (1, 7, 64, 256):
+        part = fr.fp8_rowwise_swiglu_quantized(xq[:rows], xs[:rows], wi, si, out_dtype=torch.bfloat16,
+                                               planner=planner)
+        assert torch.equal(part.view(torch.int16), full[:rows].view(torch.int16)), rows

@@ -3,12 +3,15 @@ Triton's interpreter (a subprocess with TRITON_INTERPRET=1, started by
 tests/kernels/test_bucket_planner_cpu.py), tiny shapes: the TMA kernel (launched directly: on CPU
 `rowwise_matmul` falls back to pointer loads) gives the pointer kernel's bits for ragged M / N, a K tail,
 bias and the persistent loop, and matches the reference; the planner proves its tiny buckets on real
-outputs and keeps rows bitwise invariant across M."""
+outputs and keeps rows bitwise invariant across M. The SWIGLU epilogue over a gate_up weight whose rows
+alternate gate j, up j gives, bit for bit, kernels/activation.silu_and_mul of the plain GEMM over the
+[gate | up] weight (both loaders, three output dtypes), with the planner too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up
 from deepinfer.kernels.reference.fp8_matmul import fp8_rowwise_linear_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
@@ -20,6 +23,7 @@ skip_unless_interpreting("tests/kernels/test_bucket_planner_cpu.py")
 def rw():
     mod = interpreted_kernels("fp8_rowwise", "_rowwise_gemm_kernel")
     interpreted_kernels("fp8_rowwise_tma", "_rowwise_tma_kernel")
+    interpreted_kernels("activation", "_silu_and_mul_kernel")
     return mod
 
 
@@ -151,3 +155,50 @@ def test_block_tma_kernel_matches_pointer_kernel_bitwise(m, n, k, group, k_loop,
     torch.testing.assert_close(tma, fp8_linear_ref(x, w, s, bias, group=group), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="K_LOOP"):
         block_tma_launch(xq, xs, w, s, bias, torch.empty(m, n), {**cfg, "TMA": 1, "K_LOOP": 2})
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("m,i,k,cfg", [
+    (37, 20, 80, _cfg(16, 16)),                  # ragged M and I (the last tile half outside), K tail
+    (5, 16, 64, _cfg(16, 32, PERSISTENT=1)),     # fewer rows than a tile
+    (70, 24, 48, _cfg(32, 16, PERSISTENT=1)),    # the persistent loop over several tiles
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_epilogue_is_the_gemm_then_silu_and_mul_bitwise(rw, m, i, k, cfg, dtype):
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.fp8_rowwise_tma import rowwise_tma_launch
+
+    x, w, s, _ = _operands(m, 2 * i, k, seed=m + i + k)
+    xq, xs = rw.quantize_rows(x)
+    unfused = silu_and_mul(rw.rowwise_matmul(xq, xs, w, s, None, dtype, cfg))
+    wi, si = interleave_gate_up(w, s)
+    pointer = rw.rowwise_matmul(xq, xs, wi, si, None, dtype, cfg, swiglu=True)
+    tma = rowwise_tma_launch(xq, xs, wi, si, None, torch.empty(m, i, dtype=dtype), {**cfg, "TMA": 1},
+                             swiglu=True)
+    assert pointer.shape == unfused.shape == (m, i)
+    assert torch.equal(_bits(pointer), _bits(unfused))
+    assert torch.equal(_bits(tma), _bits(unfused))
+
+
+def test_swiglu_linear_with_the_planner_keeps_the_unfused_bits_across_m(rw, monkeypatch):
+    from deepinfer.kernels.activation import silu_and_mul
+
+    small, large = _cfg(16, 16, TMA=1), {**_cfg(16, 16, TMA=1, PERSISTENT=1), "num_stages": 3}
+    monkeypatch.setattr(rw, "rowwise_buckets", lambda n, k: ((16, small), (None, large)))
+    x, w, s, _ = _operands(40, 48, 96, seed=5)
+    wi, si = interleave_gate_up(w, s)
+    planner = rw.RowwisePlanner()
+    xq, xs = rw.quantize_rows(x)
+    full = rw.fp8_rowwise_swiglu_quantized(xq, xs, wi, si, out_dtype=torch.float32, planner=planner)
+    # The reference takes its tiles from the same planner (the interpreter's dot is numpy's, whose sums may
+    # depend on the tile shape: see the planner test above).
+    plain = rw.fp8_rowwise_linear_quantized(xq, xs, w, s, out_dtype=torch.float32, planner=planner)
+    assert torch.equal(full, silu_and_mul(plain))
+    assert planner.verdicts() == {"48x96 float32 cpu": True}
+    for rows in (1, 7, 16, 17):
+        part = rw.fp8_rowwise_swiglu_quantized(xq[:rows], xs[:rows], wi, si, out_dtype=torch.float32,
+                                               planner=planner)
+        assert torch.equal(part, full[:rows])
