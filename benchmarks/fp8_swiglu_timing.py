@@ -7,12 +7,15 @@ Run on the GPU machine from the repository root (after `pip install -e .`), unde
 µs per MLP-middle inside CUDA graphs (fp8_gemm_timing.graph_time), the planner's tile for each M (the
 deterministic engine's), weights cycled past L2 as a decode step reads them:
 - `unfused`: `fp8_rowwise_linear_quantized` over the [gate | up] weight -> [M, 2I] bf16, then
-  `silu_and_mul_quant` -> e4m3 [M, I] + row scales (what the engine runs by default);
+  `silu_and_mul_quant` -> e4m3 [M, I] + row scales (the engine's path until 2026-12-03);
 - `epilogue`: `fp8_rowwise_swiglu_quantized` over the gate j / up j weight -> [M, I] bf16, then
-  `quantize_rows` (DEEPINFER_FP8_SWIGLU_EPILOGUE=1);
+  `quantize_rows` (the engine's default; DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE=1 runs `unfused`);
 - `epilogue_split`: the same with `quantize_rows(split=1024)` (the column-split quantizer, which the fused
   SiLU-and-mul quantizer uses at decode sizes; for the row quantizer it is opt-in);
 `bits`: every arm's e4m3 codes and scales equal the unfused ones (must be True). Medians of `--repeats`.
+The GEMMs alone, to tell the epilogue's cost from the quantizers': `gemm_plain_us` (the [M, 2I] GEMM) and
+`gemm_swiglu_us` (the SWIGLU form, [M, I]; `gemm_bits`: equal to silu_and_mul of the plain one), and
+`config`, the planner's tile at that M.
 """
 
 from __future__ import annotations
@@ -71,7 +74,17 @@ def _arms(m: int, i: int, k: int):
             return quantize_rows(a, split=split)
         return run
 
-    return {"unfused": unfused, "epilogue": epilogue(None), "epilogue_split": epilogue(1024)}
+    def gemm(swiglu: bool):
+        def run():
+            q, s = (inter if swiglu else plain)[step["i"] % copies]
+            step["i"] += 1
+            fn = fp8_rowwise_swiglu_quantized if swiglu else fp8_rowwise_linear_quantized
+            return fn(xq, xs, q, s, out_dtype=torch.bfloat16, planner=planner)
+        return run
+
+    config = planner.config(xq, xs, plain[0][0], plain[0][1], None, torch.bfloat16)
+    return ({"unfused": unfused, "epilogue": epilogue(None), "epilogue_split": epilogue(1024)},
+            {"gemm_plain": gemm(False), "gemm_swiglu": gemm(True)}, config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,25 +104,32 @@ def main(argv: list[str] | None = None) -> int:
         if time.time() - start > args.budget_s:
             rows.append({"m": m, "error": "skipped: time budget"})
             continue
-        arms = _arms(m, i, k)
+        from deepinfer.kernels.activation import silu_and_mul
+
+        arms, gemms, config = _arms(m, i, k)
         out = {name: fn() for name, fn in arms.items()}
         qa, sa = out["unfused"]
-        rec = {"shape": args.shape, "m": m,
+        rec = {"shape": args.shape, "m": m, "config": config,
                "bits": all(torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
-                           for qb, sb in out.values())}
-        for name, fn in arms.items():
+                           for qb, sb in out.values()),
+               "gemm_bits": torch.equal(silu_and_mul(gemms["gemm_plain"]()), gemms["gemm_swiglu"]())}
+        for name, fn in {**arms, **gemms}.items():
             times = [graph_time(fn) * 1e6 for _ in range(args.repeats)]
             rec[f"{name}_us"] = statistics.median(times)
             rec[f"{name}_us_all"] = [round(t, 2) for t in times]
         rec["gain"] = rec["unfused_us"] / min(rec["epilogue_us"], rec["epilogue_split_us"]) - 1
         rows.append(rec)
         print(json.dumps(rec), flush=True)
-    print("| M | unfused µs | epilogue µs | epilogue, split quantizer µs | best gain | bits |")
-    print("|---|---|---|---|---|---|")
+    arm_names = ("unfused", "epilogue", "epilogue_split", "gemm_plain", "gemm_swiglu")
+    print("| M | " + " | ".join(f"{a} µs" for a in arm_names) + " | best gain | bits | GEMM bits | tile |")
+    print("|---" * (len(arm_names) + 5) + "|")
     for r in rows:
         if "gain" in r:
-            us = " | ".join(f"{r[f'{a}_us']:.1f}" for a in ("unfused", "epilogue", "epilogue_split"))
-            print(f"| {r['m']} | {us} | {100 * r['gain']:+.1f}% | {r['bits']} |")
+            us = " | ".join(f"{r[f'{a}_us']:.1f}" for a in arm_names)
+            c = r["config"]
+            tile = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}" + \
+                (" tma" if c.get("TMA") else "") + (" persistent" if c.get("PERSISTENT") else "")
+            print(f"| {r['m']} | {us} | {100 * r['gain']:+.1f}% | {r['bits']} | {r['gemm_bits']} | {tile} |")
     return finish_sweep(rows, args.out, start)
 
 

@@ -91,7 +91,9 @@ def rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, col
     gate, up = tl.split(tl.reshape(y, (y.shape[0], BLOCK_N // 2, 2)))
     h = swiglu_of(gate, up)
     even, _ = tl.split(tl.reshape(offs_n, (BLOCK_N // 2, 2)))
-    offs_h = even // 2
+    # Output columns n0 / 2 + j: telling the compiler they are contiguous from a multiple of BLOCK_N / 2
+    # lets it store h in wide vectors (through shared memory) instead of one 2-byte store per element.
+    offs_h = tl.max_contiguous(tl.multiple_of(even // 2, BLOCK_N // 2), BLOCK_N // 2)
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < N_OUT)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_h[None, :], h, mask=mask)
 

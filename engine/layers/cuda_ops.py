@@ -29,9 +29,9 @@ DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
 # them quantized rows (kernels/fp8_fused_quant.py per row, kernels/fp8_group_quant.py per K-group; the same
 # bits either way), e.g. to A/B it.
 DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
-# Set to 1 to compute an MLP's SwiGLU in the epilogue of its rowwise FP8 gate_up GEMM (Ops.swiglu_in_gate_up;
-# the same bits). Opt-in until measured on a GPU.
-FP8_SWIGLU_EPILOGUE_ENV = "DEEPINFER_FP8_SWIGLU_EPILOGUE"
+# Set to 1 to keep an MLP's SwiGLU out of its rowwise FP8 gate_up GEMM's epilogue (Ops.swiglu_in_gate_up:
+# the GEMM then writes [gate | up] and the fused SiLU-and-mul quantizer reads it back; the same bits).
+DISABLE_FP8_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE"
 
 
 class _CudaOps(Ops):
@@ -44,7 +44,7 @@ class _CudaOps(Ops):
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
         self.swiglu_in_gate_up = (self.fuses_fp8_row_quant
-                                  and os.environ.get(FP8_SWIGLU_EPILOGUE_ENV, "").strip() == "1")
+                                  and os.environ.get(DISABLE_FP8_SWIGLU_EPILOGUE_ENV, "").strip() != "1")
         # The rowwise and block-scaled FP8 GEMMs' M-bucket planners (kernels/fp8_rowwise.py,
         # kernels/fp8_block_plan.py); only the invariant backend has them (the fast mode picks tiles from M
         # freely).
