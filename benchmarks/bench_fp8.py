@@ -74,7 +74,7 @@ ARMS = {
     "fp8ch-kv8-fast": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8", deterministic=False),
     # The SwiGLU kept out of the gate_up GEMM's epilogue (the fused SiLU-and-mul quantizer; the same bits).
     "fp8ch-kv8-noswiglu-det": dict(LLAMA, quantization="fp8-channel", kv_cache_dtype="fp8",
-                                   deterministic=True, env={"DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE": "1"}),
+                                   deterministic=True, env={"DEEPINFER_DISABLE_SWIGLU_EPILOGUE": "1"}),
     "fp8-kv8-det": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=True),
     "fp8-kv8-fast": dict(LLAMA, quantization="fp8", kv_cache_dtype="fp8", deterministic=False),
     # The block-scaled linears quantizing their own input (before kernels/fp8_group_quant.py).

@@ -9,7 +9,7 @@ deterministic engine's), weights cycled past L2 as a decode step reads them:
 - `unfused`: `fp8_rowwise_linear_quantized` over the [gate | up] weight -> [M, 2I] bf16, then
   `silu_and_mul_quant` -> e4m3 [M, I] + row scales (the engine's path until 2026-12-03);
 - `epilogue`: `fp8_rowwise_swiglu_quantized` over the gate j / up j weight -> [M, I] bf16, then
-  `quantize_rows` (the engine's default; DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE=1 runs `unfused`);
+  `quantize_rows` (the engine's default; DEEPINFER_DISABLE_SWIGLU_EPILOGUE=1 runs `unfused`);
 - `epilogue_split`: the same with `quantize_rows(split=1024)` (the column-split quantizer, which the fused
   SiLU-and-mul quantizer uses at decode sizes; for the row quantizer it is opt-in);
 `bits`: every arm's e4m3 codes and scales equal the unfused ones (must be True). Medians of `--repeats`.

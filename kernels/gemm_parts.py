@@ -88,6 +88,14 @@ def rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, col
     stores it, then silu(gate) * up (`swiglu_of`) of each column pair (2j, 2j + 1), stored as column j of
     the [M, N_OUT] output. Bitwise the plain GEMM over [gate | up] rows, then kernels/activation.py."""
     y = rowwise_scaled(acc, as_ptr, bs_ptr, rows, cols, stride_bsn).to(out_ptr.dtype.element_ty)
+    swiglu_pairs_store(y, out_ptr, offs_m, offs_n, M, N_OUT, stride_om, BLOCK_N)
+
+
+@triton.jit
+def swiglu_pairs_store(y, out_ptr, offs_m, offs_n, M, N_OUT, stride_om, BLOCK_N: tl.constexpr):
+    """silu(gate) * up (`swiglu_of`) of each column pair (2j, 2j + 1) of a gate_up GEMM tile `y`, already
+    rounded to the output dtype as the plain GEMM stores it, written as column j of the [M, N_OUT] output.
+    The rowwise FP8 and the 16-bit batch-invariant GEMMs' SWIGLU epilogues both end here."""
     gate, up = tl.split(tl.reshape(y, (y.shape[0], BLOCK_N // 2, 2)))
     h = swiglu_of(gate, up)
     even, _ = tl.split(tl.reshape(offs_n, (BLOCK_N // 2, 2)))
@@ -96,6 +104,24 @@ def rowwise_swiglu_store(acc, as_ptr, bs_ptr, out_ptr, offs_m, offs_n, rows, col
     offs_h = tl.max_contiguous(tl.multiple_of(even // 2, BLOCK_N // 2), BLOCK_N // 2)
     mask = (offs_m[:, None] < M) & (offs_h[None, :] < N_OUT)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_h[None, :], h, mask=mask)
+
+
+@triton.jit
+def linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS: tl.constexpr,
+                    SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The batch-invariant 16-bit GEMMs' epilogue (kernels/matmul.py, kernels/matmul_tma.py): + bias in
+    float32, rounded to the output dtype and stored to [M, N]; under SWIGLU (a gate_up weight whose rows
+    alternate gate j, up j) those rounded elements go through `swiglu_pairs_store` into [M, N / 2] (unit
+    column stride) instead: bitwise the plain GEMM over [gate | up] rows, then kernels/activation.py."""
+    if HAS_BIAS:
+        cols = tl.where(offs_n < N, offs_n, 0)
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SWIGLU:
+        swiglu_pairs_store(y, out_ptr, offs_m, offs_n, M, N // 2, stride_om, BLOCK_N)
+    else:
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
 
@@ -198,6 +198,7 @@ def _bi_linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWIGLU: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -217,11 +218,8 @@ def _bi_linear_kernel(
         w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, 0, k_tiles, stride_xk, stride_wk, EVEN_K, IEEE, BLOCK_K)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWIGLU,
+                        BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -302,11 +300,16 @@ def bi_linear(
     *,
     config: MatmulConfig | None = None,
     planner: MatmulPlanner | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, batch-invariant.
 
     `config` overrides the tile config (benchmarks); else `planner` picks it by M bucket where that is
     proven bitwise safe (MatmulPlanner); else it is `matmul_config(N, K, dtype)` for every M.
+    `swiglu`: `weight` is a gate_up weight with rows alternating gate j, up j (models/quant/fp8_tensor.
+    interleave_rows) and the result is silu(gate) * up [M, N / 2], computed in the GEMM's epilogue: bitwise
+    kernels/activation.silu_and_mul of this function's output on the [gate | up] weight (same config, the
+    same rounded elements, the same activation).
     """
     check_tensor("x", x, ndim=2)
     check_tensor("weight", weight, ndim=2, device=x.device)
@@ -320,17 +323,19 @@ def bi_linear(
         check_same_dtype("bias", bias, x.dtype)
         if bias.shape[0] != n:
             raise ValueError(f"bias: shape {tuple(bias.shape)}, expected ({n},)")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if swiglu and n % 2:
+        raise ValueError(f"weight: {n} rows, expected an even count (gate and up) for swiglu")
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    if config is not None:
-        cfg = config
-    elif planner is not None:
-        cfg = planner.config(x, weight, bias)
-    else:
-        cfg = matmul_config(n, k, x.dtype)
+        plain = torch.empty((m, n), dtype=x.dtype, device=x.device) if swiglu else out
+        plain = plain.zero_() if bias is None else plain.copy_(bias.expand(m, n))
+        return _swiglu_after(plain) if swiglu else plain
+    cfg = config if config is not None else _choose(x, weight, bias, planner)
+    if swiglu and cfg.split_k > 1:
+        # No SWIGLU form of the split-K path: its plain result, then the same activation on its pairs.
+        return _swiglu_after(bi_linear(x, weight, bias, config=cfg))
     if cfg.split_k > 1:
         return _split_launch(x, weight, bias, out, cfg)
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -343,13 +348,26 @@ def bi_linear(
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
     if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                          cfg.num_warps, cfg.num_stages, programs)
+                          cfg.num_warps, cfg.num_stages, programs, swiglu)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWIGLU=int(swiglu), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            planner: MatmulPlanner | None) -> MatmulConfig:
+    return planner.config(x, weight, bias) if planner is not None else matmul_config(*weight.shape, x.dtype)
+
+
+def _swiglu_after(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a GEMM output whose columns alternate gate j, up j (kernels/activation.py)."""
+    from deepinfer.kernels.activation import silu_and_mul
+
+    pairs = h.view(h.shape[0], -1, 2)
+    return silu_and_mul(torch.cat([pairs[..., 0], pairs[..., 1]], dim=1))

@@ -14,20 +14,29 @@ callers fall back to the pointer kernel otherwise.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, linear_epilogue
+
+
+@functools.cache
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
-    """Whether every tensor can be read through a TMA descriptor on this device."""
+    """Whether every tensor can be read through a TMA descriptor on this device. Called per GEMM launch:
+    the device's capability is read once per device (the query cost ~8 µs of host time per launch)."""
     for t in tensors:
         if not t.is_cuda or t.stride(-1) != 1 or t.data_ptr() % 16:
             return False
         if (t.stride(0) * t.element_size()) % 16:
             return False
-    return torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+    index = tensors[0].device.index
+    return _has_tma(index if index is not None else torch.cuda.current_device())
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -36,6 +45,7 @@ def _bi_linear_tma_kernel(
     M, N, K, stride_om, stride_on,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWIGLU: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -53,19 +63,16 @@ def _bi_linear_tma_kernel(
             acc = tl.dot(a, b.T, acc)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            cols = tl.where(offs_n < N, offs_n, 0)
-            acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWIGLU,
+                        BLOCK_N)
 
 
 def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
-               programs: int) -> torch.Tensor:
+               programs: int, swiglu: bool = False) -> torch.Tensor:
     """out = x @ weight.T (+ bias) with TMA tile loads; the caller checked `tma_usable(x, weight)` and
-    chose the config and program count (kernels/matmul.bi_linear)."""
+    chose the config and program count (kernels/matmul.bi_linear); `swiglu`: the SWIGLU epilogue
+    (gemm_parts.linear_epilogue), `out` then [M, N / 2]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
@@ -76,7 +83,7 @@ def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x_desc, w_desc, bias if bias is not None else out, out,
         m, n, k, out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWIGLU=int(swiglu),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

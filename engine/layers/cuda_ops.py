@@ -29,9 +29,10 @@ DISABLE_FUSED_ROPE_ENV = "DEEPINFER_DISABLE_FUSED_ROPE"
 # them quantized rows (kernels/fp8_fused_quant.py per row, kernels/fp8_group_quant.py per K-group; the same
 # bits either way), e.g. to A/B it.
 DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
-# Set to 1 to keep an MLP's SwiGLU out of its rowwise FP8 gate_up GEMM's epilogue (Ops.swiglu_in_gate_up:
-# the GEMM then writes [gate | up] and the fused SiLU-and-mul quantizer reads it back; the same bits).
-DISABLE_FP8_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE"
+# Set to 1 to keep an MLP's SwiGLU out of its gate_up GEMM's epilogue (Ops.swiglu_in_gate_up for rowwise FP8,
+# Ops.swiglu_in_16bit_gate_up for the deterministic 16-bit GEMM): the GEMM then writes [gate | up] and
+# SiLU-and-mul (or its fused quantizer) reads it back; the same bits.
+DISABLE_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_SWIGLU_EPILOGUE"
 
 
 class _CudaOps(Ops):
@@ -44,7 +45,7 @@ class _CudaOps(Ops):
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
         self.swiglu_in_gate_up = (self.fuses_fp8_row_quant
-                                  and os.environ.get(DISABLE_FP8_SWIGLU_EPILOGUE_ENV, "").strip() != "1")
+                                  and os.environ.get(DISABLE_SWIGLU_EPILOGUE_ENV, "").strip() != "1")
         # The rowwise and block-scaled FP8 GEMMs' M-bucket planners (kernels/fp8_rowwise.py,
         # kernels/fp8_block_plan.py); only the invariant backend has them (the fast mode picks tiles from M
         # freely).
@@ -282,6 +283,7 @@ class CudaInvariantOps(_CudaOps):
         super().__init__()
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
         self._planner = self._matmul.MatmulPlanner()
+        self.swiglu_in_16bit_gate_up = os.environ.get(DISABLE_SWIGLU_EPILOGUE_ENV, "").strip() != "1"
         from deepinfer.kernels.fp8_block_plan import BlockPlanner
         from deepinfer.kernels.fp8_rowwise import RowwisePlanner
 
@@ -292,6 +294,10 @@ class CudaInvariantOps(_CudaOps):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner)
+
+    def swiglu_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._matmul.bi_linear(x, weight, bias, planner=self._planner, swiglu=True)
 
 
 class CudaFastOps(_CudaOps):

@@ -18,11 +18,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, ops, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, ops, dtype, device)
         # Set at load (models/quant/fp8_loading.py) where gate_up_proj's rows were reordered for
-        # `Ops.fp8_swiglu_linear`: gate j and up j alternate, and the SwiGLU runs in the GEMM's epilogue.
+        # `Ops.fp8_swiglu_linear` / `Ops.swiglu_linear`: gate j and up j alternate, and the SwiGLU runs in the
+        # GEMM's epilogue.
         self.swiglu_in_gate_up = False
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]."""
+        if self.swiglu_in_gate_up and self.gate_up_proj.weight.dtype != torch.float8_e4m3fn:
+            return self.down_proj(self.ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         if self.swiglu_in_gate_up:
             a = self.ops.fp8_swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.fp8_scale)
             if not self.down_proj.takes_quantized_rows:

@@ -68,6 +68,8 @@ class Ops:
     # Whether an MLP's rowwise FP8 gate_up projection computes silu(gate) * up in its GEMM's epilogue
     # (`fp8_swiglu_linear`, its weight rows reordered at load by models/quant/fp8_loading.py). Off here.
     swiglu_in_gate_up = False
+    # The same for a 16-bit gate_up projection (`swiglu_linear`): the deterministic CUDA backend's.
+    swiglu_in_16bit_gate_up = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
@@ -94,7 +96,17 @@ class Ops:
         rows alternate gate j, up j (models/quant/fp8_tensor.interleave_gate_up). Shared version:
         `fp8_linear`, the column pairs taken apart, `silu_and_mul`; CUDA backends: the SwiGLU in the GEMM's
         epilogue, the same bits."""
-        out = self.fp8_linear(x, weight, weight_scale, None, weight.shape[1])
+        return self._swiglu_of_pairs(self.fp8_linear(x, weight, weight_scale, None, weight.shape[1]))
+
+    def swiglu_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up [M, I] of a 16-bit gate_up linear whose weight (and bias) rows alternate gate j,
+        up j (models/quant/fp8_tensor.interleave_halves). Shared version: `linear`, the column pairs taken
+        apart, `silu_and_mul`; the deterministic CUDA backend: the SwiGLU in the GEMM's epilogue (kernels/
+        matmul.bi_linear's `swiglu`), the same bits."""
+        return self._swiglu_of_pairs(self.linear(x, weight, bias))
+
+    def _swiglu_of_pairs(self, out: torch.Tensor) -> torch.Tensor:
         pairs = out.view(out.shape[0], -1, 2)
         return self.silu_and_mul(torch.cat([pairs[..., 0], pairs[..., 1]], dim=1))
 

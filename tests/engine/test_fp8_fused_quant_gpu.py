@@ -131,17 +131,19 @@ def test_llm_fused_path_same_greedy_tokens_with_graphs(tmp_path, monkeypatch, de
     assert tokens[True] == tokens[False]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_llm_swiglu_in_gate_up_same_tokens_and_logprobs(tmp_path, monkeypatch, deterministic):
-    """Through LLM (CUDA graphs, overlap), per-channel FP8: the SwiGLU in the gate_up GEMM's epilogue
+# bf16: only the deterministic backend has the 16-bit SWIGLU epilogue (the fast one runs cuBLAS).
+@pytest.mark.parametrize("quantization,deterministic", [("fp8-channel", True), ("fp8-channel", False),
+                                                         (None, True)])
+def test_llm_swiglu_in_gate_up_same_tokens_and_logprobs(tmp_path, monkeypatch, quantization, deterministic):
+    """Through LLM (CUDA graphs, overlap), per-channel FP8 or bf16: the SwiGLU in the gate_up GEMM's epilogue
     (the default) gives the tokens and logprobs of the fused SiLU-and-mul quantizer path
-    (DEEPINFER_DISABLE_FP8_SWIGLU_EPILOGUE=1) bit for bit."""
+    (DEEPINFER_DISABLE_SWIGLU_EPILOGUE=1) bit for bit."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from deepinfer.engine import LLM, SamplingParams
-    from deepinfer.engine.layers.cuda_ops import DISABLE_FP8_SWIGLU_EPILOGUE_ENV
+    from deepinfer.engine.layers.cuda_ops import DISABLE_SWIGLU_EPILOGUE_ENV
     from deepinfer.engine.layers.mlp import GatedMLP
 
     from benchmarks.shapes import write_shape
@@ -152,8 +154,8 @@ def test_llm_swiglu_in_gate_up_same_tokens_and_logprobs(tmp_path, monkeypatch, d
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = {}
     for epilogue in (True, False):
-        monkeypatch.setenv(DISABLE_FP8_SWIGLU_EPILOGUE_ENV, "0" if epilogue else "1")
-        llm = LLM(model=str(d), load_format="dummy", quantization="fp8-channel", deterministic=deterministic,
+        monkeypatch.setenv(DISABLE_SWIGLU_EPILOGUE_ENV, "0" if epilogue else "1")
+        llm = LLM(model=str(d), load_format="dummy", quantization=quantization, deterministic=deterministic,
                   max_model_len=1024, gpu_memory_utilization=0.3)
         mlps = [m for m in llm.model.modules() if isinstance(m, GatedMLP)]
         assert mlps and all(m.swiglu_in_gate_up == epilogue for m in mlps)

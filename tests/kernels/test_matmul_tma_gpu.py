@@ -83,3 +83,20 @@ def test_float32_operands_keep_ieee_dots_under_a_tma_config(mm):
     out = mm.bi_linear(x, w, config=cfg)
     assert torch.equal(out, mm.bi_linear(x, w, config=dataclasses.replace(cfg, tma=False)))
     torch.testing.assert_close(out, (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(9728, 896), (28672, 4096)])    # Qwen2.5-0.5B and Llama-3.1-8B gate_up
+@pytest.mark.parametrize("m", [1, 7, 64, 256, 3000, 16384])
+def test_swiglu_epilogue_equals_gemm_then_silu_and_mul(mm, m, n, k):
+    """The SWIGLU epilogue over the rows reordered gate j, up j gives silu_and_mul of the plain GEMM bit for
+    bit, with the planner's config for that M (the engine's deterministic gate_up)."""
+    from deepinfer.engine.models.quant.fp8_tensor import interleave_halves
+    from deepinfer.kernels.activation import silu_and_mul
+
+    gen = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, k, device=DEV, generator=gen).to(BF16)
+    w = (torch.randn(n, k, device=DEV, generator=gen) * 0.02).to(BF16)
+    planner = mm.MatmulPlanner()
+    want = silu_and_mul(mm.bi_linear(x, w, planner=planner))
+    got = mm.bi_linear(x, interleave_halves(w), planner=planner, swiglu=True)
+    assert torch.equal(got, want)

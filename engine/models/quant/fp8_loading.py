@@ -27,6 +27,7 @@ from deepinfer.engine.models.quant.fp8_tensor import (
     FP8_DTYPE,
     dequantize_fp8,
     interleave_gate_up,
+    interleave_halves,
     quantize_fp8_block,
     quantize_fp8_channel,
     row_scales,
@@ -162,6 +163,7 @@ def load_with_plan(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     """`model.load_weights` through the FP8 plan: converts linear layers first when `plan.fp8_compute`."""
     if not plan.touches_weights:
         model.load_weights(weights)
+        reorder_swiglu_gate_up(model)
         return
     fp8_modules, experts = _prepare(model, plan)
     model.load_weights(fp8_weight_stream(weights, plan, fp8_modules, experts))
@@ -171,21 +173,30 @@ def load_with_plan(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 
 @torch.no_grad()
 def reorder_swiglu_gate_up(model: nn.Module) -> None:
-    """Where the ops backend computes the SwiGLU in the gate_up GEMM's epilogue (`Ops.swiglu_in_gate_up`):
-    each MLP whose gate_up projection is FP8 with one scale per output channel and no bias gets its weight
-    rows and scales reordered gate j, up j (`interleave_gate_up`) and `swiglu_in_gate_up` set. Once, after
-    the weights are loaded; a layer that does not qualify keeps the unfused path."""
+    """Where the ops backend computes the SwiGLU in the gate_up GEMM's epilogue, each MLP whose gate_up
+    projection qualifies gets its rows reordered gate j, up j and `swiglu_in_gate_up` set: an FP8 one with one
+    scale per output channel and no bias where `Ops.swiglu_in_gate_up` (weight and scales,
+    `interleave_gate_up`), a 16-bit one where `Ops.swiglu_in_16bit_gate_up` (weight and bias,
+    `interleave_halves`). Once, after the weights are loaded; a layer that does not qualify keeps the
+    unfused path."""
     from deepinfer.engine.layers.mlp import GatedMLP
 
     for mlp in model.modules():
-        if not isinstance(mlp, GatedMLP) or mlp.swiglu_in_gate_up or not mlp.ops.swiglu_in_gate_up:
+        if not isinstance(mlp, GatedMLP) or mlp.swiglu_in_gate_up:
             continue
         proj = mlp.gate_up_proj
-        if proj.bias is not None or proj.quant_group is not None or proj.weight.dtype != FP8_DTYPE:
+        if proj.weight.dtype == FP8_DTYPE:
+            if not mlp.ops.swiglu_in_gate_up or proj.bias is not None or proj.quant_group is not None:
+                continue
+            weight, scale = interleave_gate_up(proj.weight, getattr(proj, SCALE_PARAM))
+            getattr(proj, SCALE_PARAM).copy_(scale)
+        elif mlp.ops.swiglu_in_16bit_gate_up and proj.weight.dtype in (torch.bfloat16, torch.float16):
+            weight = interleave_halves(proj.weight)
+            if proj.bias is not None:
+                proj.bias.copy_(interleave_halves(proj.bias))
+        else:
             continue
-        weight, scale = interleave_gate_up(proj.weight, getattr(proj, SCALE_PARAM))
         proj.weight.copy_(weight)
-        getattr(proj, SCALE_PARAM).copy_(scale)
         mlp.swiglu_in_gate_up = True
 
 
@@ -226,6 +237,7 @@ def init_dummy_with_plan(model: nn.Module, plan: QuantPlan, seed: int = 0) -> No
     weight quantized block-wise: kept FP8 with its scales for FP8 compute, else dequantized in place."""
     model.init_dummy_weights(seed)
     if not (plan.quantize_at_load or plan.fp8_compute):
+        reorder_swiglu_gate_up(model)
         return
     dense = {name: m.weight.detach().clone() for name, m in model.named_modules()
              if isinstance(m, Linear) and name.startswith("model.layers.")}

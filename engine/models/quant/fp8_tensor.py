@@ -131,6 +131,17 @@ def row_scales(scale: torch.Tensor, n: int, k: int, group: int,
     return full[:, ::group].contiguous()
 
 
+def interleave_halves(t: torch.Tensor) -> torch.Tensor:
+    """Rows [a | b] (2I rows, a leading dimension) -> a0, b0, a1, b1, ...: a gate_up weight's (or bias's)
+    order for a GEMM with the SwiGLU in its epilogue (kernels/matmul.bi_linear's `swiglu`). Any dtype."""
+    two_i = t.shape[0]
+    if two_i % 2:
+        raise ValueError(f"interleave_halves: {two_i} rows, expected an even count")
+    order = torch.arange(two_i, device=t.device).view(2, two_i // 2).t().reshape(-1)
+    rows = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+    return rows.index_select(0, order).view(t.dtype).contiguous()
+
+
 def interleave_gate_up(weight: torch.Tensor,
                        weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A gate_up weight [2I, K] with its per-channel scales [2I, 1], rows [gate | up] -> rows alternating
@@ -141,7 +152,5 @@ def interleave_gate_up(weight: torch.Tensor,
     if two_i % 2 or tuple(weight_scale.shape) != (two_i, 1):
         raise ValueError(f"interleave_gate_up: weight {tuple(weight.shape)}, scale "
                          f"{tuple(weight_scale.shape)}: expected [2I, K] and [2I, 1]")
-    order = torch.arange(two_i, device=weight.device).view(2, two_i // 2).t().reshape(-1)
-    rows = weight.view(torch.uint8).index_select(0, order).view(weight.dtype)
-    return rows.contiguous(), weight_scale.index_select(0, order).contiguous()
+    return interleave_halves(weight), interleave_halves(weight_scale)
 
