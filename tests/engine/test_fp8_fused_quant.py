@@ -18,7 +18,7 @@ import torch
 from deepinfer.engine.layers.cpu_ops import CpuInvariantOps
 from deepinfer.engine.layers.ops import QuantizedActivation
 
-from tests.support.paged_runner import PagedBatchRunner
+from tests.support.paged_runner import two_prompt_logits
 
 
 class _FusingOps(CpuInvariantOps):
@@ -59,21 +59,6 @@ def _fp8_model(path, ops, quantization: str = "fp8-channel"):
     return model, cfg
 
 
-def _run(model, cfg) -> list[torch.Tensor]:
-    """Two prompts prefilled together, then three decode steps of both: every step's logits."""
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", [5, 17, 3, 40, 22, 9, 31])
-    runner.add("b", [8, 2, 61, 14])
-    out = runner.step([("a", 7), ("b", 4)])
-    steps = [out["a"], out["b"]]
-    for _ in range(3):
-        for key in ("a", "b"):
-            runner.append(key, int(out[key][-1].argmax()))
-        out = runner.step([("a", 1), ("b", 1)])
-        steps += [out["a"], out["b"]]
-    return steps
-
-
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoint):
     return tiny_checkpoint("llama")
@@ -86,7 +71,7 @@ def test_fused_quantization_wiring_gives_the_same_logits(llama, quantization):
     fused, _ = _fp8_model(llama, fusing_ops, quantization)
     layers = cfg.num_hidden_layers
     assert not any(m.takes_quantized_rows for n, m in plain.named_modules() if n.endswith("_proj"))
-    want, got = _run(plain, cfg), _run(fused, cfg)
+    want, got = two_prompt_logits(plain, cfg), two_prompt_logits(fused, cfg)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     steps = 4
@@ -161,7 +146,7 @@ def test_swiglu_in_gate_up_wiring_gives_the_same_logits(llama, quantization, reo
     mlps = [m for m in fused.modules() if isinstance(m, GatedMLP)]
     # Rowwise gate_up projections are reordered and marked at load; block-scaled ones keep the plain path.
     assert mlps and all(m.swiglu_in_gate_up == reordered for m in mlps)
-    want, got = _run(plain, cfg), _run(fused, cfg)
+    want, got = two_prompt_logits(plain, cfg), two_prompt_logits(fused, cfg)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     layers, steps = cfg.num_hidden_layers, 4

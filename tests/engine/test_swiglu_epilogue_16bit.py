@@ -18,7 +18,7 @@ import torch
 from deepinfer.engine.layers.cpu_ops import CpuInvariantOps
 from deepinfer.engine.layers.mlp import GatedMLP
 
-from tests.support.paged_runner import PagedBatchRunner
+from tests.support.paged_runner import two_prompt_logits
 
 
 class _SwigluOps(CpuInvariantOps):
@@ -50,20 +50,6 @@ def _model(path, ops, dtype, dummy: bool, mlp_bias: bool = False):
     return model, cfg
 
 
-def _logits(model, cfg) -> list[torch.Tensor]:
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", [5, 17, 3, 40, 22, 9, 31])
-    runner.add("b", [8, 2, 61, 14])
-    out = runner.step([("a", 7), ("b", 4)])
-    steps = [out["a"], out["b"]]
-    for _ in range(2):
-        for key in ("a", "b"):
-            runner.append(key, int(out[key][-1].argmax()))
-        out = runner.step([("a", 1), ("b", 1)])
-        steps += [out["a"], out["b"]]
-    return steps
-
-
 @pytest.mark.parametrize("dtype,dummy,mlp_bias,reordered", [
     (torch.bfloat16, False, False, True),     # checkpoint weights
     (torch.bfloat16, True, True, True),       # dummy weights, an MLP bias (reordered with the rows)
@@ -78,7 +64,7 @@ def test_16bit_swiglu_epilogue_wiring_gives_the_same_logits(tiny_checkpoint, dty
     fused, _ = _model(path, ops, dtype, dummy, mlp_bias)
     mlps = [m for m in fused.modules() if isinstance(m, GatedMLP)]
     assert mlps and all(m.swiglu_in_gate_up == reordered for m in mlps)
-    for a, b in zip(_logits(plain, cfg), _logits(fused, cfg), strict=True):
+    for a, b in zip(two_prompt_logits(plain, cfg, 2), two_prompt_logits(fused, cfg, 2), strict=True):
         assert torch.equal(a, b)
     assert ops.calls["swiglu_linear"] == (cfg.num_hidden_layers * 3 if reordered else 0)
     if reordered:   # rows (and bias entries) alternate gate j, up j

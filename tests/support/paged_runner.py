@@ -84,6 +84,22 @@ class PagedBatchRunner:
         return dict(zip([k for k, _ in work], logits.split(qlens)))
 
 
+def two_prompt_logits(model, cfg: ModelConfig, decode_steps: int = 3) -> list[torch.Tensor]:
+    """Two prompts (7 and 4 tokens) prefilled together, then `decode_steps` greedy decode steps of both:
+    every step's logits, in order (what the wiring tests compare bit for bit between two builds)."""
+    runner = PagedBatchRunner(model, cfg)
+    runner.add("a", [5, 17, 3, 40, 22, 9, 31])
+    runner.add("b", [8, 2, 61, 14])
+    out = runner.step([("a", 7), ("b", 4)])
+    steps = [out["a"], out["b"]]
+    for _ in range(decode_steps):
+        for key in ("a", "b"):
+            runner.append(key, int(out[key][-1].argmax()))
+        out = runner.step([("a", 1), ("b", 1)])
+        steps += [out["a"], out["b"]]
+    return steps
+
+
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
     return AttentionMetadata(**fields)
