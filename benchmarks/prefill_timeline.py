@@ -110,7 +110,7 @@ def _host_split(run) -> dict:
     wrap(StepExecutor, "sample", "StepExecutor.sample")
     wrap(SampledTokens, "resolve", "SampledTokens.resolve (waits for the device)")
     wrap(ModelRunner, "prepare", "ModelRunner.prepare")
-    wrap(pa, "_build_plan", "paged_attention._build_plan")
+    wrap(pa, "build_plan", "paged_attention.build_plan")
     for cls in (CudaInvariantOps, CudaFastOps):
         for klass in cls.__mro__:
             for name, value in list(vars(klass).items()):

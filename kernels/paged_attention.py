@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 from deepinfer.kernels._checks import is_power_of_two
@@ -118,21 +119,30 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
-def _build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> list[int]:
-    """Flattened (sequence, query block) pairs, heaviest first (longest KV range) for load balance."""
-    work = []
-    for seq, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        for qb in range(triton.cdiv(q_len, block_q)):
-            last = s_len - q_len + min((qb + 1) * block_q, q_len)
-            work.append((-last, seq, qb))
-    work.sort()
-    return [x for _, seq, qb in work for x in (seq, qb)]
+def build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> np.ndarray:
+    """Flattened (sequence, query block) pairs, int32 [2 * programs]: heaviest first (the longest KV range,
+    i.e. the largest last position a block attends to) for load balance, ties by sequence then query block.
+    Built once per step on the host, in array operations: a prefill step has thousands of blocks, and the
+    Python loop this replaces took 1.5-1.9 ms of the H200 host's time per step (benchmarks/RESULTS.md)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    if q.shape != s.shape:
+        raise ValueError(f"query_lens ({q.size}) and seq_lens ({s.size}) differ in length")
+    blocks = -(-q // block_q)
+    seq = np.repeat(np.arange(q.size), blocks)
+    qb = np.arange(seq.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    last = s[seq] - q[seq] + np.minimum((qb + 1) * block_q, q[seq])
+    order = np.lexsort((qb, seq, -last))    # the last key sorts first
+    return np.stack((seq[order], qb[order]), axis=1).reshape(-1).astype(np.int32)
 
 
 def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
     """The program -> (sequence, query block) map, cached on `meta` (metadata.plan_cached_on)."""
-    return plan_cached_on(meta, _PLAN_ATTR, (block_q, str(device)), lambda q_lens, s_lens: torch.tensor(
-        _build_plan(q_lens, s_lens, block_q), dtype=torch.int32).to(device))
+    def build(q_lens: list[int], s_lens: list[int]) -> torch.Tensor:
+        t = torch.from_numpy(build_plan(q_lens, s_lens, block_q))
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    return plan_cached_on(meta, _PLAN_ATTR, (block_q, str(device)), build)
 
 
 def paged_attention(
