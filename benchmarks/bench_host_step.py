@@ -97,6 +97,8 @@ class PhaseTimer:
         # Instance attributes of the model: its forward (eager, or a stand-in graph's replay), its logits.
         self._wrap(runner.model, "forward", "model", device=True)
         self._wrap(runner.model, "compute_logits", "model", device=True)
+        if hasattr(runner.model, "compute_logits_native"):   # what StepExecutor.sample calls where present
+            self._wrap(runner.model, "compute_logits_native", "model", device=True)
         self._wrap(runner, "sampler", "sampler", device=True)
 
     def close(self) -> None:
