@@ -52,12 +52,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
                     profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False,
-                    quant: dict | None = None) -> dict:
+                    quant: dict | None = None, step_tokens: int = 16384) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
               deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
-              max_num_seqs=len(prompts), max_num_batched_tokens=16384, gpu_memory_utilization=0.85,
+              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
               enable_prefix_caching=prefix_cache, **(quant or {}))
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rec = StepRecorder(llm)
@@ -141,6 +141,8 @@ def main() -> None:
                     help="keep prefix caching on (the measured runs then reuse the warm-up's prompt KV)")
     ap.add_argument("--quantization", default=None,
                     help="deepinfer arms only: LLM(quantization=...), e.g. fp8, fp8-channel (HF stays bf16)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="deepinfer arms: tokens per engine step (prefill chunks + decodes)")
     ap.add_argument("--kv-cache-dtype", default=None, help="deepinfer arms only: LLM(kv_cache_dtype=...)")
     args = ap.parse_args()
     quant = {k: v for k, v in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
@@ -169,7 +171,8 @@ def main() -> None:
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
             r = bench_deepinfer(model_dir, prompts, args.output_len, mode == "deterministic", args.runs,
-                                args.profile_steps, out, mode, args.prefix_cache, quant)
+                                args.profile_steps, out, mode, args.prefix_cache, quant,
+                                args.max_num_batched_tokens)
         gc.collect()
         torch.cuda.empty_cache()
         add_rates(r, total_in, ceiling)
@@ -183,6 +186,7 @@ def main() -> None:
                  "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                  "output_len": args.output_len, "runs": args.runs, "ceiling_tok_s": ceiling, **quant,
+                 "max_num_batched_tokens": args.max_num_batched_tokens,
                  "results": rows})
 
 
