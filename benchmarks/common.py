@@ -223,7 +223,7 @@ class StepRecorder:
             row_limit=25, max_name_column_width=60)
 
 
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
@@ -242,7 +242,7 @@ def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
     starts = sorted(e.time_range.start for e in events if e.name == mark)
     windows = list(zip(starts, starts[1:]))
     device_events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-    kernels = _merge([(e.time_range.start, e.time_range.end) for e in device_events])
+    kernels = merge_intervals([(e.time_range.start, e.time_range.end) for e in device_events])
     if not kernels or len(windows) != len(kinds):
         return {"available": False, "windows": len(windows), "steps": len(kinds), "kernels": len(kernels)}
     per_kind: dict[str, list[tuple[float, float]]] = {}

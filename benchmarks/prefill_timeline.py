@@ -29,19 +29,10 @@ from pathlib import Path
 
 import torch
 from bench_throughput import random_prompts
+from common import merge_intervals
 from shapes import write_shape
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _busy(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
 
 
 def _main_thread_frames(events: list[dict]) -> list[dict]:
@@ -63,7 +54,7 @@ def _stack_at(frames: list[dict], starts: list[float], t: float, depth: int) -> 
 def analyze(trace: dict, min_gap_us: float, depth: int, top: int) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     gpu = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in GPU_CATS]
-    busy = _busy(gpu)
+    busy = merge_intervals(gpu)
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(e - s for s, e in busy)
     frames = sorted(_main_thread_frames(events), key=lambda f: f["ts"])

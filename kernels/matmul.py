@@ -307,7 +307,7 @@ def bi_linear(
     `config` overrides the tile config (benchmarks); else `planner` picks it by M bucket where that is
     proven bitwise safe (MatmulPlanner); else it is `matmul_config(N, K, dtype)` for every M.
     `swiglu`: `weight` is a gate_up weight with rows alternating gate j, up j (models/quant/fp8_tensor.
-    interleave_rows) and the result is silu(gate) * up [M, N / 2], computed in the GEMM's epilogue: bitwise
+    interleave_halves) and the result is silu(gate) * up [M, N / 2], computed in the GEMM's epilogue: bitwise
     kernels/activation.silu_and_mul of this function's output on the [gate | up] weight (same config, the
     same rounded elements, the same activation).
     """
@@ -368,6 +368,6 @@ def _choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _swiglu_after(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a GEMM output whose columns alternate gate j, up j (kernels/activation.py)."""
     from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.reference.activation import pairs_to_halves
 
-    pairs = h.view(h.shape[0], -1, 2)
-    return silu_and_mul(torch.cat([pairs[..., 0], pairs[..., 1]], dim=1))
+    return silu_and_mul(pairs_to_halves(h))

@@ -44,8 +44,8 @@ class _CudaOps(Ops):
         # Read once per backend (not per call), so one engine never mixes the two paths.
         self.fused_rope = os.environ.get(DISABLE_FUSED_ROPE_ENV, "").strip() != "1"
         self.fuses_fp8_row_quant = os.environ.get(DISABLE_FUSED_FP8_QUANT_ENV, "").strip() != "1"
-        self.swiglu_in_gate_up = (self.fuses_fp8_row_quant
-                                  and os.environ.get(DISABLE_SWIGLU_EPILOGUE_ENV, "").strip() != "1")
+        self._swiglu_epilogue = os.environ.get(DISABLE_SWIGLU_EPILOGUE_ENV, "").strip() != "1"
+        self.swiglu_in_gate_up = self.fuses_fp8_row_quant and self._swiglu_epilogue
         # The rowwise and block-scaled FP8 GEMMs' M-bucket planners (kernels/fp8_rowwise.py,
         # kernels/fp8_block_plan.py); only the invariant backend has them (the fast mode picks tiles from M
         # freely).
@@ -283,7 +283,7 @@ class CudaInvariantOps(_CudaOps):
         super().__init__()
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
         self._planner = self._matmul.MatmulPlanner()
-        self.swiglu_in_16bit_gate_up = os.environ.get(DISABLE_SWIGLU_EPILOGUE_ENV, "").strip() != "1"
+        self.swiglu_in_16bit_gate_up = self._swiglu_epilogue
         from deepinfer.kernels.fp8_block_plan import BlockPlanner
         from deepinfer.kernels.fp8_rowwise import RowwisePlanner
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.reference.activation import pairs_to_halves
 from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.fp8_matmul import fp8_linear_quantized_ref, fp8_linear_ref, quantize_act_ref
 from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
@@ -107,8 +108,7 @@ class Ops:
         return self._swiglu_of_pairs(self.linear(x, weight, bias))
 
     def _swiglu_of_pairs(self, out: torch.Tensor) -> torch.Tensor:
-        pairs = out.view(out.shape[0], -1, 2)
-        return self.silu_and_mul(torch.cat([pairs[..., 0], pairs[..., 1]], dim=1))
+        return self.silu_and_mul(pairs_to_halves(out))
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivation:
         """x [M, K] quantized with one scale per row (the rowwise FP8 GEMM's activation format)."""
