@@ -2,11 +2,11 @@
 
 A 600-row JSONL job on a tiny random-weight Llama (tests/tiny_models.py), max_tokens 2, 20 parts, the
 local executor. Each submit runs in its own process group; the tests kill the whole group at seeded random
-moments (chosen by progress: after the k-th committed part plus a random delay, so that kills land mid-run
-on any machine speed; one during start-up) and at named points through the DEEPINFER_TEST_KILL_AT hook of
-commit.py. After the final rerun the output must equal an uninterrupted run's object for object and byte
-for byte (only _SUCCESS, which holds the run's timings, and output.path inside _job.json may differ), with
-every input id exactly once and no orphan, temp file or lease left.
+moments (chosen by progress: after the run's k-th committed part plus a random fraction of one part's
+time, so that kills land mid-run on any machine speed; one during start-up) and at named points through
+the DEEPINFER_TEST_KILL_AT hook of commit.py. After the final rerun the output must equal an uninterrupted
+run's object for object and byte for byte (only _SUCCESS, which holds the run's timings, and output.path
+inside _job.json may differ), with every input id exactly once and no orphan, temp file or lease left.
 """
 
 from __future__ import annotations
@@ -107,8 +107,12 @@ def test_random_and_named_kills_on_local_disk_resume_byte_identical(job, referen
     out = reader(url)
     rng = random.Random(20240601)
     kills = kill_after_commits(start_submit(spec, url), out, 0, rng.uniform(0.5, 3.0))  # during start-up
-    for commits in sorted(rng.sample(range(1, PARTS - 4), 2)):  # seeded random moments mid-run
-        kills += kill_after_commits(start_submit(spec, url), out, commits, rng.uniform(0.0, 0.3))
+    # Seeded random moments mid-run: after this run's n-th commit plus a fraction of one part's time, so
+    # that a fast machine cannot finish the job inside the delay and leave the named kills nothing to do.
+    part_s = seconds_per_part(reference[0])
+    for more in rng.sample(range(1, 6), 2):
+        commits = len(out.committed_part_ids()) + more
+        kills += kill_after_commits(start_submit(spec, url), out, commits, rng.uniform(0.0, 1.0) * part_s)
     for point in ("after_part_data_written:2", "during_orphan_cleanup:1", "before_success:1"):
         code, _, err = submit(spec, url, kill_at=point)
         assert code == -signal.SIGKILL, (point, code, err[-3000:])
@@ -117,6 +121,12 @@ def test_random_and_named_kills_on_local_disk_resume_byte_identical(job, referen
     code, _, err = submit(spec, url)
     assert code == 0, err[-3000:]
     check_complete_output(job, url, reference[1])
+
+
+def seconds_per_part(url: str) -> float:
+    """Seconds between two commits of the uninterrupted run (its parts' modification times)."""
+    times = sorted(p.stat().st_mtime for p in Path(url).rglob("*.parquet"))
+    return (times[-1] - times[0]) / max(len(times) - 1, 1)
 
 
 def test_kills_on_s3_resume_byte_identical(job, reference, monkeypatch):
@@ -170,7 +180,7 @@ def test_killed_ray_run_leaves_no_process_and_resumes_byte_identical(job, refere
     while proc.poll() is None and len(out.committed_part_ids()) < 3:
         started = descendants(proc.pid) or started
         time.sleep(0.05)
-    assert kill_after_commits(proc, out, 3, 0.2), "the Ray run finished before it could be killed"
+    assert kill_after_commits(proc, out, 3, seconds_per_part(reference[0])), "the Ray run finished first"
     deadline = time.time() + 30
     while time.time() < deadline and any(alive(p) for p in started):
         time.sleep(0.2)
