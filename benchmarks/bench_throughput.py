@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +43,8 @@ from common import (
 )
 from shapes import PARAMS, write_shape
 
+PREFILL_GRAPHS_ENV = "DEEPINFER_PREFILL_GRAPHS"
+
 CEILING_FLOPS = 780e12
 
 
@@ -55,10 +58,19 @@ def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bo
                     quant: dict | None = None, step_tokens: int = 16384) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
-              deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
-              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
-              enable_prefix_caching=prefix_cache, **(quant or {}))
+    # A "+pg" arm turns the prefill graphs on (runner/prefill_graphs.py; read when the engine is built).
+    previous = os.environ.pop(PREFILL_GRAPHS_ENV, None)
+    if mode.endswith("+pg"):
+        os.environ[PREFILL_GRAPHS_ENV] = "1"
+    try:
+        llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
+                  deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
+                  max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
+                  enable_prefix_caching=prefix_cache, **(quant or {}))
+    finally:
+        os.environ.pop(PREFILL_GRAPHS_ENV, None)
+        if previous is not None:
+            os.environ[PREFILL_GRAPHS_ENV] = previous
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rec = StepRecorder(llm)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -128,7 +140,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
-    ap.add_argument("--modes", default="deterministic,fast,hf")
+    ap.add_argument("--modes", default="deterministic,fast,hf",
+                    help="arms: deterministic, fast, hf; deterministic+pg, fast+pg: with prefill graphs")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
@@ -170,9 +183,12 @@ def main() -> None:
         if mode == "hf":
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
-            r = bench_deepinfer(model_dir, prompts, args.output_len, mode == "deterministic", args.runs,
-                                args.profile_steps, out, mode, args.prefix_cache, quant,
-                                args.max_num_batched_tokens)
+            if mode.removesuffix("+pg") not in ("deterministic", "fast"):
+                raise SystemExit(f"--modes: {mode!r} is not deterministic, fast, hf or one of the first two "
+                                 "with +pg (prefill CUDA graphs)")
+            det = mode.startswith("deterministic")
+            r = bench_deepinfer(model_dir, prompts, args.output_len, det, args.runs, args.profile_steps, out,
+                                mode, args.prefix_cache, quant, args.max_num_batched_tokens)
         gc.collect()
         torch.cuda.empty_cache()
         add_rates(r, total_in, ceiling)

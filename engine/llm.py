@@ -32,6 +32,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.parallel.setup import check_tensor_parallel_size, tensor_parallel_model
 from deepinfer.engine.runner.cuda_graphs import capture_mode, env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
+from deepinfer.engine.runner.prefill_graphs import make_prefill_graphs
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed, sample_seed
@@ -194,10 +195,13 @@ class LLM:
         graphs = make_decode_graphs(self.model, kv_caches, block_size, max_model_len, max_num_seqs,
                                     self.device, enable_cuda_graphs and tensor_parallel_size == 1,
                                     cuda_graph_capture)
+        prefill_graphs = make_prefill_graphs(self.model, kv_caches, block_size, max_model_len, max_num_seqs,
+                                             self.sched_cfg.max_num_batched_tokens, self.device,
+                                             enable_cuda_graphs and tensor_parallel_size == 1)
         spec_decoder = (SpecDecoder(mtp.cfg, draft, draft_cache, scheduler, runner)
                         if mtp is not None and draft is not None else None)
         self.engine = EngineCore(scheduler, runner, OutputProcessor(self.tokenizer), self._structured,
-                                 executor=StepExecutor(runner, graphs),
+                                 executor=StepExecutor(runner, graphs, prefill_graphs),
                                  async_scheduling=async_scheduling and not env_flag("DEEPINFER_SYNC_LOOP"),
                                  spec=spec_decoder)
         self._ids = itertools.count()

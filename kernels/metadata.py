@@ -36,6 +36,11 @@ class AttentionMetadata:
     # has exactly one query token (CUDA-graph decode steps keep it in a static buffer). None: the kernel
     # builds its plan from the host lengths.
     decode_plan: torch.Tensor | None = None
+    # int32 [2 * P]: the program map of a CUDA-graph prefill step, in a static buffer
+    # (engine/runner/prefill_inputs.py): the step's plan built for BLOCK_Q = plan_block_q, then programs that
+    # store nothing. None (and whenever max_query_len == 1): the kernel builds its plan from the host lengths.
+    prefill_plan: torch.Tensor | None = None
+    plan_block_q: int = 0
 
     @property
     def num_seqs(self) -> int:

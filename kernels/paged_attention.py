@@ -43,10 +43,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import triton
 from deepinfer.kernels._checks import is_power_of_two
+from deepinfer.kernels.attention_plan import build_plan
 from deepinfer.kernels.metadata import KV_CHUNK, plan_cached_on
 from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _paged_attention_kernel
 from deepinfer.kernels.reference.attention import check_attention_args
@@ -54,7 +54,7 @@ from deepinfer.kernels.reference.attention import check_attention_args
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention", "attention_tile_config", "launch_paged_attention"]
+__all__ = ["paged_attention", "attention_tile_config", "build_plan", "launch_paged_attention"]
 
 _LOG2E = 1.4426950408889634
 # Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). Untransposed tiles of 16 decode /
@@ -119,23 +119,6 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
-def build_plan(query_lens: list[int], seq_lens: list[int], block_q: int) -> np.ndarray:
-    """Flattened (sequence, query block) pairs, int32 [2 * programs]: heaviest first (the longest KV range,
-    i.e. the largest last position a block attends to) for load balance, ties by sequence then query block.
-    Built once per step on the host, in array operations: a prefill step has thousands of blocks, and the
-    Python loop this replaces took 1.5-1.9 ms of the H200 host's time per step (benchmarks/RESULTS.md)."""
-    q = np.asarray(query_lens, dtype=np.int64)
-    s = np.asarray(seq_lens, dtype=np.int64)
-    if q.shape != s.shape:
-        raise ValueError(f"query_lens ({q.size}) and seq_lens ({s.size}) differ in length")
-    blocks = -(-q // block_q)
-    seq = np.repeat(np.arange(q.size), blocks)
-    qb = np.arange(seq.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    last = s[seq] - q[seq] + np.minimum((qb + 1) * block_q, q[seq])
-    order = np.lexsort((qb, seq, -last))    # the last key sorts first
-    return np.stack((seq[order], qb[order]), axis=1).reshape(-1).astype(np.int32)
-
-
 def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
     """The program -> (sequence, query block) map, cached on `meta` (metadata.plan_cached_on)."""
     def build(q_lens: list[int], s_lens: list[int]) -> torch.Tensor:
@@ -188,6 +171,11 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if meta.decode_plan is not None and meta.max_query_len == 1:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
+    elif meta.prefill_plan is not None and meta.max_query_len > 1:
+        if meta.plan_block_q != cfg["BLOCK_Q"]:   # a plan of other query blocks would skip or repeat tokens
+            raise ValueError(f"meta.prefill_plan was built for BLOCK_Q={meta.plan_block_q}, the tile config "
+                             f"has BLOCK_Q={cfg['BLOCK_Q']}")
+        plan = meta.prefill_plan   # static (a CUDA-graph prefill step): no host work
     else:
         plan = _plan_tensor(meta, cfg["BLOCK_Q"], q.device)
     bt = meta.block_tables

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,7 +78,7 @@ class DecodeGraphs:
         self.stager = DecodeStager(self.buckets[-1], max_blocks, block_size)   # host side, incremental
         self.stats = GraphStats()
         # bucket -> (captured graph, or a stand-in with .replay(); its static output hidden states)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerReplay, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]] = {}
         # Lazy capture (capture_lazily): a bucket is captured the first time a step needs it.
         self.lazy = False
         self._stand_ins = False   # lazily made buckets are eager stand-ins (CPU tests)
@@ -91,19 +92,8 @@ class DecodeGraphs:
         return self.model(buf.input_ids[:b], buf.positions[:b], meta, self.kv_caches)
 
     def _capture_one(self, b: int, pool: object, side: torch.cuda.Stream) -> None:
-        """Warm up bucket `b` eagerly on the buffers as they are (Triton compiles, allocator pools), then
-        capture it into `pool`."""
         meta = self._meta(b)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(b, meta)   # warm-up outside capture: compiles kernels, fills caches
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a CUDA call from another thread (a grammar worker of another engine) must not
-        # invalidate this capture.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            hidden = self._forward(b, meta)
-        self._graphs[b] = (graph, hidden)
+        self._graphs[b] = capture_graph(lambda: self._forward(b, meta), pool, self.device, side)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -144,17 +134,15 @@ class DecodeGraphs:
     def _capture_now(self, b: int) -> None:
         t0 = time.perf_counter()
         if self._stand_ins:
-            replay = _EagerReplay(self, b)
+            meta = self._meta(b)
+            replay = EagerReplay(lambda: self._forward(b, meta))
             self._graphs[b] = (replay, replay.out)
         else:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()   # torch.cuda.graph does so on entry: measure after it
-            free_before = torch.cuda.mem_get_info(self.device)[0]
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._capture_one(b, self._pool, torch.cuda.Stream(self.device))
-            torch.cuda.synchronize(self.device)
-            self.stats.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+            meta = self._meta(b)
+            self._graphs[b] = capture_measured(self.stats, lambda: self._forward(b, meta), self._pool,
+                                               self.device)
         self.stats.buckets = sorted(self._graphs)
         self.stats.capture_seconds += time.perf_counter() - t0
         logger.info("captured the CUDA graph of decode batch size %d on first use (%.2f s)", b,
@@ -165,7 +153,8 @@ class DecodeGraphs:
         """Instead of capturing, make each bucket's "replay" run the forward eagerly into a fixed output
         tensor, as a graph writes its static output: the graph path without CUDA (CPU tests)."""
         for b in self.buckets:
-            replay = _EagerReplay(self, b)
+            meta = self._meta(b)
+            replay = EagerReplay(lambda b=b, meta=meta: self._forward(b, meta))
             self._graphs[b] = (replay, replay.out)
         self.stats.buckets = list(self.buckets)
 
@@ -230,17 +219,46 @@ class DecodeGraphs:
         return self._forward(b, self._meta(b))
 
 
-class _EagerReplay:
-    """`replay()` recomputes bucket b's forward into the fixed tensor `out` (see stand_in_replays)."""
+class EagerReplay:
+    """A stand-in for a captured graph (CPU tests): `replay()` reruns `forward` into the fixed tensor
+    `out`, as a graph writes its static output."""
 
-    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
-        self.graphs, self.b = graphs, b
-        # Views of the static buffers, like the metadata a captured graph holds: built once.
-        self.meta = graphs._meta(b)
-        self.out = graphs._forward(b, self.meta)
+    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
+        self.forward = forward
+        self.out = forward()
 
     def replay(self) -> None:
-        self.out.copy_(self.graphs._forward(self.b, self.meta))
+        self.out.copy_(self.forward())
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: object, device: torch.device,
+                  side: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `forward` once eagerly on a side stream (Triton compiles, allocator pools fill), then capture it
+    into `pool`; returns the graph and its static output."""
+    side = side if side is not None else torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()   # warm-up outside capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a CUDA call from another thread (a grammar worker of another engine) must not
+    # invalidate this capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, out
+
+
+def capture_measured(stats: GraphStats, forward: Callable[[], torch.Tensor], pool: object,
+                     device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`capture_graph`, adding the device memory it took to stats.memory_bytes (cached free blocks are
+    released first: torch.cuda.graph empties the cache on entry, so measure after that)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    captured = capture_graph(forward, pool, device)
+    torch.cuda.synchronize(device)
+    stats.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    return captured
 
 
 def _index_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

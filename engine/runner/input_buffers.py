@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from deepinfer.engine.runner.static_image import StaticImage
 from deepinfer.kernels.metadata import AttentionMetadata
 
 # Buckets grow by this step past the powers of two below it: at most STEP - 1 padding rows per step.
@@ -174,52 +175,31 @@ def decode_plan(num_seqs: int) -> np.ndarray:
 class StaticDecodeBuffers:
     """Device buffers a captured decode graph reads; `load` copies one padded step into them.
 
-    input_ids, positions, slot_mapping, seq_lens and block_tables are views of one flat int32 device tensor,
-    mirrored by a host image: `load` writes a step into the image and moves it with one host -> device copy
-    (on CUDA through a pinned staging buffer of a ring of two, each reused only once its last copy ran), not
-    one small copy per tensor. The device buffers therefore always equal the image; parts a step does not
-    write keep what earlier steps wrote (valid ids, never read by that step: the module docstring says why).
-    query_start_loc (0, 1, ..., B) and the attention plan never change and are written once here.
+    input_ids, positions, slot_mapping, seq_lens and block_tables are views of one static image
+    (runner/static_image.py): `load` writes a step into the host image and moves it with one host -> device
+    copy, not one small copy per tensor. The device buffers therefore always equal the image; parts a step
+    does not write keep what earlier steps wrote (valid ids, never read by that step: the module docstring
+    says why). query_start_loc (0, 1, ..., B) and the attention plan never change and are written once here.
     """
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         b, w = max_batch, max_blocks_per_seq
         self.max_batch = max_batch
-        # Layout in int32 units; the int64 fields start at even offsets (8-byte aligned views).
-        self._spans = {"input_ids": (0, 2 * b), "positions": (2 * b, 4 * b), "slot_mapping": (4 * b, 6 * b),
-                       "seq_lens": (6 * b, 7 * b), "block_tables": (7 * b, 7 * b + b * w)}
-        image = np.zeros(7 * b + b * w, dtype=np.int32)
-        self._image = image
-        self._host = {k: self._view_np(image, k, w) for k in self._spans}
+        self._image = StaticImage([("input_ids", (b,), np.int64), ("positions", (b,), np.int64),
+                                   ("slot_mapping", (b,), np.int64), ("seq_lens", (b,), np.int32),
+                                   ("block_tables", (b, w), np.int32)], device)
+        self._host = self._image.host
         self._host["slot_mapping"][:] = PAD_SLOT
         self._host["seq_lens"][:] = PAD_SEQ_LEN
         # Zeros are valid block ids; stale columns past a row's table are never read (attention stops at
         # the row's own position), so `load` writes only the columns in use.
-        # On CPU the image itself is the device buffer: nothing to copy.
-        self._flat = torch.from_numpy(image) if device.type == "cpu" else torch.from_numpy(image).to(device)
+        self._image.upload()
+        dev = self._image.device
         names = ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = (
-            self._view_t(k, w) for k in names)
+            dev[k] for k in names)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.plan = torch.from_numpy(decode_plan(max_batch)).to(device)
-        self._cuda = self._flat.is_cuda
-        # (pinned staging, event recorded after its last copy, whether it was ever copied from)
-        self._ring: list[list] = []
-        self._next = 0
-
-    def _view_np(self, image: np.ndarray, key: str, width: int) -> np.ndarray:
-        lo, hi = self._spans[key]
-        v = image[lo:hi]
-        if key == "block_tables":
-            return v.reshape(self.max_batch, width)
-        return v.view(np.int64) if key in ("input_ids", "positions", "slot_mapping") else v
-
-    def _view_t(self, key: str, width: int) -> torch.Tensor:
-        lo, hi = self._spans[key]
-        v = self._flat[lo:hi]
-        if key == "block_tables":
-            return v.view(self.max_batch, width)
-        return v.view(torch.int64) if key in ("input_ids", "positions", "slot_mapping") else v
 
     def load(self, step: PaddedDecode) -> None:
         """Copy `step` into the first `step.bucket` rows (asynchronously, from pinned staging on CUDA)."""
@@ -235,20 +215,7 @@ class StaticDecodeBuffers:
         h["slot_mapping"][:b] = step.slot_mapping
         h["seq_lens"][:b] = step.seq_lens
         tables[:b, :width] = step.block_tables
-        if not self._cuda:
-            return   # the image is the buffer
-        if not self._ring:
-            self._ring = [[torch.empty(self._image.shape, dtype=torch.int32, pin_memory=True),
-                           torch.cuda.Event(), False] for _ in range(2)]
-        slot = self._ring[self._next % 2]
-        self._next += 1
-        staging, event, used = slot
-        if used:
-            event.synchronize()   # its copy of two steps ago: finished long since
-        staging.numpy()[:] = self._image
-        self._flat.copy_(staging, non_blocking=True)
-        event.record()
-        slot[2] = True
+        self._image.upload()
 
 
 def graph_metadata(buf: StaticDecodeBuffers, b: int, block_size: int) -> AttentionMetadata:

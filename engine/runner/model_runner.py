@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.core.window_blocks import with_aux_tables
+from deepinfer.engine.runner.host_step import flatten_step
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -45,59 +46,33 @@ class ModelRunner:
         self.structured = structured
 
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
-        bs = self.block_size
-        ids: list[np.ndarray] = []
-        pos: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        offset = 0
-        for b, s in enumerate(out.scheduled):
-            end = s.start + s.num_new_tokens
-            p = np.arange(s.start, end, dtype=np.int64)
-            table = np.asarray(s.seq.block_table, dtype=np.int64)
-            tables[b, : len(table)] = table
-            # An MTP verify step's draft tokens follow the sequence's own (engine/spec_decode/).
-            k = len(s.draft_token_ids)
-            ids.append(np.asarray(s.seq.tokens_range(s.start, end - k) + s.draft_token_ids, dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            offset += s.num_new_tokens
-            if s.sample:
-                sample_rows.extend(range(offset - 1 - k, offset))   # a verify step samples every position
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
+        step = flatten_step(out, self.block_size)
         dev = self.device
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
             return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
-        positions = to_dev(np.concatenate(pos))
+        positions = to_dev(step.positions)
         meta = AttentionMetadata(
-            slot_mapping=to_dev(np.concatenate(slots)),
+            slot_mapping=to_dev(step.slot_mapping),
             positions=positions,
-            query_start_loc=to_dev(qsl),
-            seq_lens=to_dev(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=to_dev(tables),
-            block_size=bs,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            query_start_loc=to_dev(step.query_start_loc()),
+            seq_lens=to_dev(np.asarray(step.seq_lens, dtype=np.int32)),
+            block_tables=to_dev(step.block_tables),
+            block_size=self.block_size,
+            max_query_len=max(step.query_lens),
+            max_seq_len=max(step.seq_lens),
+            query_lens_cpu=step.query_lens,
+            seq_lens_cpu=step.seq_lens,
         )
         # A bounded-window cache's second pool (core/window_blocks.py): its tables travel with the metadata.
         meta = with_aux_tables(meta, [s.seq for s in out.scheduled], to_dev)
         return PreparedBatch(
-            input_ids=to_dev(np.concatenate(ids)),
+            input_ids=to_dev(step.input_ids),
             positions=positions,
             meta=meta,
-            sample_indices=to_dev(np.asarray(sample_rows, dtype=np.int64)),
+            sample_indices=to_dev(np.asarray(step.sample_rows, dtype=np.int64)),
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

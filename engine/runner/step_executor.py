@@ -20,6 +20,7 @@ from deepinfer.engine.sample.metadata import SamplingMetadata
 if TYPE_CHECKING:
     from deepinfer.engine.runner.cuda_graphs import DecodeGraphs
     from deepinfer.engine.runner.model_runner import ModelRunner
+    from deepinfer.engine.runner.prefill_graphs import PrefillGraphs
     from deepinfer.engine.structured.manager import StepMasks
 
 
@@ -86,12 +87,20 @@ def pending_inputs(out: SchedulerOutput, prev: SampledTokens | None) -> list[tup
     return found
 
 
+def _no_prompt_logprobs(out: SchedulerOutput) -> bool:
+    """Whether no row of `out` reports a prompt logprob: those need every position's hidden state, which
+    only the eager forward keeps (the cheap test first: most steps hold no such request)."""
+    return all(s.seq.prompt_logprobs is None for s in out.scheduled) or not prompt_logprob_rows(out)
+
+
 class StepExecutor:
     """Runs steps on a ModelRunner's model, cache and sampler; `graphs` (CUDA) serves pure-decode steps."""
 
-    def __init__(self, runner: ModelRunner, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(self, runner: ModelRunner, graphs: DecodeGraphs | None = None,
+                 prefill_graphs: PrefillGraphs | None = None) -> None:
         self.runner = runner
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs   # prefill and mixed steps (runner/prefill_graphs.py)
         self.eager_steps = 0
         self.graph_steps = 0
 
@@ -121,12 +130,14 @@ class StepExecutor:
             self.graph_steps += 1
             return ForwardPass(out, self.graphs.run(out, pending, prev_ids, tokens))
         pending = pending_inputs(out, prev)
-        # Prompt positions of requests that report prompt logprobs need the full hidden states (eager).
-        # (The cheap test first: most steps hold no such request.)
-        if self.graphs is not None and self.graphs.fits(out) and (
-                all(s.seq.prompt_logprobs is None for s in out.scheduled) or not prompt_logprob_rows(out)):
+        if self.graphs is not None and self.graphs.fits(out) and _no_prompt_logprobs(out):
             self.graph_steps += 1
             return ForwardPass(out, self.graphs.run(out, pending, prev_ids))
+        pg = self.prefill_graphs
+        if pg is not None and pg.fits(out) and _no_prompt_logprobs(out):
+            hidden = pg.run(out, pending, prev_ids)
+            if hidden is not None:
+                return ForwardPass(out, hidden)
         prompt_rows = prompt_logprob_rows(out)
         self.eager_steps += 1
         batch = r.prepare(out)
@@ -193,4 +204,18 @@ class StepExecutor:
             "cuda_graph_capture_s": g.capture_seconds if g else 0.0,
             "cuda_graph_memory_bytes": g.memory_bytes if g else 0,
             "cuda_graph_padded_rows": g.padded_rows if g else 0,
+            **prefill_graph_stats(self.prefill_graphs),
         }
+
+
+def prefill_graph_stats(pg: PrefillGraphs | None) -> dict[str, float | int | list[int] | bool]:
+    """The prefill graphs' counters (zeros when they are off)."""
+    s = pg.stats if pg is not None else None
+    return {
+        "prefill_graphs_enabled": pg is not None and not pg.failed,
+        "prefill_graph_steps": s.replays if s else 0,
+        "prefill_graph_buckets": list(s.buckets) if s else [],
+        "prefill_graph_capture_s": s.capture_seconds if s else 0.0,
+        "prefill_graph_memory_bytes": s.memory_bytes if s else 0,
+        "prefill_graph_padded_tokens": s.padded_rows if s else 0,
+    }

@@ -10,3 +10,8 @@ from tests.support.interpreted import launches, run_interpreted
 @launches("tests/kernels/test_paged_attention_variants_interpreted.py")
 def test_paged_attention_variants_pass_under_interpreter(request):
     run_interpreted(request, "paged-attention variant")
+
+
+@launches("tests/kernels/test_paged_attention_static_plan_interpreted.py")
+def test_paged_attention_static_prefill_plan_passes_under_interpreter(request):
+    run_interpreted(request, "paged-attention static prefill plan")

@@ -1,0 +1,152 @@
+"""CUDA graphs of the model's forward for prefill and mixed steps, one per token bucket, captured lazily.
+
+Opt-in ($DEEPINFER_PREFILL_GRAPHS=1) until measured on a GPU: the bits are argued (runner/prefill_inputs.py)
+and tested on CPU through stand-in replays and under Triton's interpreter, the capture itself is not yet run.
+A step fits when it is not a decode step (those take the decode graphs), its tokens fit the largest bucket
+and no request in it wants prompt logprobs (those need every position's hidden state). Each bucket is
+captured the first time a step needs it, on that step's staged inputs: the warm-up writes the step's K/V
+at its own slots and the replay that follows writes the same values there before attention reads them (as
+in the decode graphs' lazy capture, runner/cuda_graphs.py). If a capture fails, prefill graphs are switched
+off for the engine with a warning and the step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from deepinfer.engine.core.scheduler_output import SchedulerOutput
+from deepinfer.engine.runner.cuda_graphs import (
+    EagerReplay,
+    GraphStats,
+    capture_measured,
+    env_flag,
+    graphs_supported,
+    is_decode_step,
+)
+from deepinfer.engine.runner.host_step import flatten_step
+from deepinfer.engine.runner.input_buffers import pick_bucket
+from deepinfer.engine.runner.prefill_inputs import (
+    StaticPrefillBuffers,
+    pad_prefill,
+    prefill_buckets,
+    prefill_graph_metadata,
+)
+
+logger = logging.getLogger("deepinfer.engine")
+
+PREFILL_GRAPHS_ENV = "DEEPINFER_PREFILL_GRAPHS"
+
+
+class PrefillGraphs:
+    """Captured prefill forwards over static buffers; `run` replays the one whose bucket fits a step.
+
+    block_q: the attention kernel's query rows per program for prefill tiles (its static plan is built for
+    it); None where no Triton kernel runs (CPU stand-ins). stand_ins: each bucket's "graph" reruns the
+    forward eagerly into a fixed tensor (the graph path without CUDA, for CPU tests)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, device: torch.device, block_q: int | None,
+                 first_bucket: int = 256, bucket_step: int = 2048, stand_ins: bool = False) -> None:
+        self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.buckets = prefill_buckets(max_num_batched_tokens, first_bucket, bucket_step)
+        self.max_seqs = max_num_seqs
+        self.block_q = block_q
+        self.buffers = StaticPrefillBuffers(self.buckets[-1], max_num_seqs, -(-max_model_len // block_size),
+                                            block_q, device)
+        self.stand_ins = stand_ins
+        self.stats = GraphStats()
+        self.failed = False
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]] = {}
+        self._pool: object | None = None
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        """Whether a bucket can run this step (module docstring; prompt logprobs are the caller's test)."""
+        sched = out.scheduled
+        return (not self.failed and bool(sched) and len(sched) <= self.max_seqs and not is_decode_step(out)
+                and sum(s.num_new_tokens for s in sched) <= self.buckets[-1])
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        buf = self.buffers
+        meta = prefill_graph_metadata(buf, bucket, self.block_size, live=self.stand_ins)
+        return self.model(buf.input_ids[:bucket], buf.positions[:bucket], meta, self.kv_caches)
+
+    def _capture(self, bucket: int) -> bool:
+        """Capture `bucket` on the staged step; False (prefill graphs off) when capturing fails."""
+        t0 = time.perf_counter()
+        try:
+            if self.stand_ins:
+                replay = EagerReplay(lambda: self._forward(bucket))
+                self._graphs[bucket] = (replay, replay.out)
+            else:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                self._graphs[bucket] = capture_measured(self.stats, lambda: self._forward(bucket), self._pool,
+                                                        self.device)
+        except RuntimeError as e:   # an op that cannot be captured: run every prefill step eagerly
+            self.failed = True
+            logger.warning("prefill CUDA graphs switched off: capturing %d tokens failed (%s)", bucket, e)
+            return False
+        self.stats.buckets = sorted(self._graphs)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        logger.info("captured the CUDA graph of prefill bucket %d tokens on first use (%.2f s)", bucket,
+                    time.perf_counter() - t0)
+        return True
+
+    def run(self, out: SchedulerOutput, pending: list[tuple[int, int]],
+            prev_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Replay the graph for step `out`; returns the final hidden states of its sampling rows [S, hidden]
+        (a new tensor), or None when the step cannot take a graph (run it eagerly).
+
+        pending: (flat token index, row in prev_ids) of inputs still on the device (step_executor's
+        pending_inputs); prev_ids: the previous step's sampled ids (device int64)."""
+        step = flatten_step(out, self.block_size)
+        bucket = pick_bucket(self.buckets, step.num_tokens)
+        assert bucket is not None, "fits() was not asked"
+        if step.block_tables.shape[1] > self.buffers.block_tables.shape[1]:
+            return None   # a table past max_model_len's blocks (never expected): the eager step takes it
+        self.buffers.load(pad_prefill(step, bucket, self.max_seqs, self.block_q))
+        if pending:
+            assert prev_ids is not None
+            dst, src = zip(*pending)
+            ids = prev_ids.index_select(0, self._index(src))
+            self.buffers.input_ids.index_copy_(0, self._index(dst), ids)
+        if bucket not in self._graphs and not self._capture(bucket):
+            return None
+        graph, hidden = self._graphs[bucket]
+        graph.replay()
+        self.stats.replays += 1
+        self.stats.padded_rows += bucket - step.num_tokens
+        return hidden.index_select(0, self._index(step.sample_rows))
+
+    def _index(self, values) -> torch.Tensor:
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+
+def prefill_block_q(model: torch.nn.Module, kv_caches: list) -> int:
+    """BLOCK_Q of the paged-attention kernel's prefill tiles for this model and cache (CUDA only)."""
+    from deepinfer.kernels.paged_attention import attention_tile_config
+
+    cfg = model.config
+    k_cache = kv_caches[0][0]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    return attention_tile_config(group, cfg.head_dim, model.dtype, kv_fp8=kv_fp8, decode=False)["BLOCK_Q"]
+
+
+def make_prefill_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
+                        max_num_seqs: int, max_num_batched_tokens: int, device: torch.device,
+                        enable: bool) -> PrefillGraphs | None:
+    """Prefill graphs when enabled, asked for ($DEEPINFER_PREFILL_GRAPHS=1) and supported: the dense
+    decoder family on CUDA (DeepSeek's MLA plans its prefill on the host); else None."""
+    from deepinfer.engine.models.decoder import CausalLM
+
+    if not enable or not env_flag(PREFILL_GRAPHS_ENV) or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS"):
+        return None
+    if not graphs_supported(model, device) or type(model) is not CausalLM:
+        return None
+    return PrefillGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+                         device, prefill_block_q(model, kv_caches))

@@ -1,0 +1,103 @@
+"""Prefill CUDA graphs on CPU (runner/prefill_graphs.py): stand-in replays of the padded forward (the graph
+path minus CUDA: token buckets, the padding sequence, empty sequences, static buffers, placeholder inputs
+substituted in them, sampling rows gathered from the static output) give the eager engine's outputs, and a
+padded step's real rows are the eager step's bits with no cache slot written by padding. The capture
+itself and the kernel's static plan on the GPU: tests/engine/test_prefill_graphs_gpu.py; the plan under
+Triton's interpreter: tests/kernels/test_paged_attention_static_plan_interpreted.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer.engine import LLM, SamplingParams
+from deepinfer.engine.runner.cuda_graphs import is_decode_step
+from deepinfer.engine.runner.prefill_graphs import PrefillGraphs, make_prefill_graphs
+
+from tests.engine.test_overlap import _requests, _view
+
+# (engine settings, first bucket, bucket step): buckets small enough that the tiny model's steps use several
+SETTINGS = {
+    "chunked_prefill": (dict(num_kv_blocks=512, max_num_batched_tokens=48, max_num_seqs=12), 8, 16),
+    "prefix_hits_and_preemption": (dict(num_kv_blocks=16, max_num_seqs=32, max_num_batched_tokens=64),
+                                   16, 32),
+}
+
+
+def _stand_in_graphs(llm: LLM, first: int, step: int, block_q: int | None = 4) -> PrefillGraphs:
+    runner, sched = llm.engine.runner, llm.sched_cfg
+    return PrefillGraphs(runner.model, runner.kv_caches, runner.block_size, sched.max_model_len,
+                         sched.max_num_seqs, sched.max_num_batched_tokens, torch.device("cpu"), block_q,
+                         first_bucket=first, bucket_step=step, stand_ins=True)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_prefill_graph_path_in_the_engine_gives_the_eager_outputs(setting, model_dir):
+    kwargs, first, step = SETTINGS[setting]
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", **kwargs)
+    prompts, params = _requests(llm.model_config.vocab_size)
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.executor.prefill_graphs = _stand_in_graphs(llm, first, step)
+    for overlap in (True, False):
+        llm.engine.async_scheduling = overlap
+        assert _view(llm.generate(prompts, params, use_tqdm=False)) == _view(eager)
+    stats = llm.get_stats()
+    assert stats["prefill_graphs_enabled"] and stats["prefill_graph_steps"] > 0, stats
+    assert stats["prefill_graph_padded_tokens"] > 0 and len(stats["prefill_graph_buckets"]) > 1, stats
+    if setting == "prefix_hits_and_preemption":
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert any(o.metrics["num_preemptions"] for o in outs)
+
+
+def test_requests_with_prompt_logprobs_take_the_eager_path(model_dir):
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
+    eager = llm.generate([[5, 6, 7, 8], [9, 10]], params, use_tqdm=False)
+    llm.engine.executor.prefill_graphs = graphs = _stand_in_graphs(llm, 8, 16)
+    got = llm.generate([[5, 6, 7, 8], [9, 10]], params, use_tqdm=False)
+    def view(outs):
+        return [(o.token_ids, o.prompt_logprobs) for o in outs]
+
+    assert view(got) == view(eager)
+    assert graphs.stats.replays == 0
+
+
+def test_padded_prefill_step_matches_the_eager_rows_and_padding_writes_no_slot(model_dir):
+    """A mixed step (two prompts and a decode) padded into a bucket with empty
+    sequences and a padding sequence: the sampled rows' hidden states are the eager step's bits, the
+    padding wrote no cache slot, and the eager step wrote the same cache entries."""
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=6,
+              max_num_batched_tokens=40)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add(llm._make_seq(0, [5, 6, 7], greedy))
+    engine.step()   # its prefill: a decode row in the next step
+    for i, p in enumerate(([11] * 20, [9, 8, 7, 6, 5]), start=1):
+        engine.add(llm._make_seq(i, p, greedy))
+    out = engine.scheduler.schedule()
+    assert not is_decode_step(out) and len(out.scheduled) == 3 and out.num_batched_tokens == 26
+    graphs = _stand_in_graphs(llm, 16, 48)   # buckets 16, 32, 40: this step takes 32 (6 padding tokens)
+    runner = engine.runner
+    bs = runner.block_size
+    real_slots = {s.seq.block_table[p // bs] * bs + p % bs
+                  for s in out.scheduled for p in range(s.start, s.start + s.num_new_tokens)}
+    with torch.inference_mode():
+        before = [c[0].flatten(0, 1).clone() for c in runner.kv_caches]
+        padded = graphs.run(out, [], None).clone()
+        after_padded = [c[0].flatten(0, 1).clone() for c in runner.kv_caches]
+        eager = engine.executor.forward(out).hidden
+    assert graphs.buckets == [16, 32, 40] and graphs.stats.buckets == [32] and graphs.stats.padded_rows == 6
+    assert torch.equal(padded, eager) and torch.isfinite(padded).all()
+    for old, new, cache in zip(before, after_padded, runner.kv_caches, strict=True):
+        changed = set((old != new).any(-1).any(-1).nonzero().flatten().tolist())
+        assert changed and changed <= real_slots     # the padding tokens wrote no cache slot
+        assert torch.equal(cache[0].flatten(0, 1), new)
+    engine.abort_all()
+
+
+def test_prefill_graphs_are_opt_in_and_cuda_only(model_dir, monkeypatch):
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    r = llm.engine.runner
+    args = (r.model, r.kv_caches, r.block_size, 64, 4, 64)
+    monkeypatch.setenv("DEEPINFER_PREFILL_GRAPHS", "1")
+    assert make_prefill_graphs(*args, torch.device("cpu"), True) is None   # CPU: never
+    assert llm.get_stats()["prefill_graphs_enabled"] is False
