@@ -13,8 +13,10 @@ The functions here are pure (numpy in, numpy out) so that the bucket and padding
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 import torch
@@ -102,7 +104,8 @@ class DecodeStager:
     batch row is rewritten only when its table differs from the one it held in the last step.
 
     In steady decoding the same sequence sits at the same row step after step and its table grows by one
-    block every block_size steps, so most rows cost one list compare instead of a numpy row write. Tables are
+    block every block_size steps, so a step costs one compare of all tables (C-level) plus a numpy write
+    for each row whose table changed. Tables are
     compared by value against a copy kept per row, not by list identity, so any edit of a block table
     (appends, a new table after preemption, core/window_blocks.py releasing entries in place) is seen.
 
@@ -123,21 +126,24 @@ class DecodeStager:
         if not 0 < n <= bucket <= max_batch:
             raise ValueError(f"{n} rows do not fit a bucket of {bucket} (at most {max_batch} rows)")
         bs, arr, held = self.block_size, self.tables, self._held
-        rows = range(n) if tables != held[:n] else ()   # steady decoding: no table changed since last step
+        rows: Iterable[int] = ()
+        if tables != held[:n]:   # else steady decoding: no table changed since last step
+            # The rows that changed, found by C-level compares (sequences that started decoding in different
+            # steps grow their tables in different steps: a few rows of the batch, not all, at a time).
+            rows = compress(range(n), map(operator.ne, tables, held))
         for b in rows:
             t, h = tables[b], held[b]
-            if t != h:
-                k, old = len(t), len(h)
-                if k > max_blocks:
-                    raise ValueError(f"row {b}: {k} blocks exceed the {max_blocks} columns")
-                if k == old + 1 and t[:old] == h:   # the table grew by a block: one element to write
-                    arr[b, old] = t[old]
-                    h.append(t[old])
-                    continue
-                arr[b, :k] = t
-                if old > k:
-                    arr[b, k:old] = PAD_BLOCK
-                held[b] = list(t)
+            k, old = len(t), len(h)
+            if k > max_blocks:
+                raise ValueError(f"row {b}: {k} blocks exceed the {max_blocks} columns")
+            if k == old + 1 and t[:old] == h:   # the table grew by a block: one element to write
+                arr[b, old] = t[old]
+                h.append(t[old])
+                continue
+            arr[b, :k] = t
+            if old > k:
+                arr[b, k:old] = PAD_BLOCK
+            held[b] = list(t)
         for b in range(n, bucket):   # padding rows: clear what an earlier step's real row left there
             if held[b]:
                 arr[b, : len(held[b])] = PAD_BLOCK

@@ -12,10 +12,9 @@ import pytest
 import torch
 from deepinfer.engine.runner.host_step import HostStep
 from deepinfer.engine.runner.prefill_inputs import StaticPrefillBuffers, pad_prefill, prefill_graph_metadata
-from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
+from tests.support.paged_batches import filled_step
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -33,16 +32,9 @@ def step():
     """A NaN-filled float32 cache (block 0 included: the padding rows read it) holding every context, the
     step's metadata and query."""
     gen = torch.Generator().manual_seed(5)
-    tables, nb = random_block_lists([c for c, _ in LENS], BS, seed=9)
-    meta = build_metadata([SeqStep(b, c, q) for b, (c, q) in zip(tables, LENS, strict=True)], BS)
-    fill = build_metadata([SeqStep(b, c, c) for b, (c, _) in zip(tables, LENS, strict=True)], BS)
-    k = torch.randn(fill.num_tokens, HKV, D, generator=gen) * 2
-    v = torch.randn(fill.num_tokens, HKV, D, generator=gen)
-    kc = torch.full((nb, BS, HKV, D), float("nan"))
-    vc = torch.full_like(kc, float("nan"))
-    store_kv_ref(k, v, kc, vc, fill.slot_mapping)
-    q = torch.randn(meta.num_tokens, HQ, D, generator=gen)
-    return meta, q, kc, vc
+    st = filled_step(LENS, BS, HKV, D, gen, table_seed=9, key_scale=2)
+    q = torch.randn(st.meta.num_tokens, HQ, D, generator=gen)
+    return st.meta, q, st.k_cache, st.v_cache
 
 
 def _host_step(meta) -> HostStep:

@@ -15,10 +15,9 @@ import pytest
 import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
-from deepinfer.kernels.reference.store_kv import store_kv_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
+from tests.support.paged_batches import filled_step
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -35,18 +34,12 @@ def pa():
 def caches():
     """A NaN-filled float32 cache and an e4m3 cache holding the same keys/values, the step's metadata."""
     gen = torch.Generator().manual_seed(11)
-    tables, nb = random_block_lists([c for c, _ in LENS], BS, seed=3)
-    meta = build_metadata([SeqStep(b, c, q) for b, (c, q) in zip(tables, LENS, strict=True)], BS)
-    fill = build_metadata([SeqStep(b, c, c) for b, (c, _) in zip(tables, LENS, strict=True)], BS)
-    k = torch.randn(fill.num_tokens, HKV, D, generator=gen) * 3
-    v = torch.randn(fill.num_tokens, HKV, D, generator=gen)
-    kf = torch.full((nb, BS, HKV, D), float("nan"))
-    vf = torch.full_like(kf, float("nan"))
-    store_kv_ref(k, v, kf, vf, fill.slot_mapping)
-    k8 = torch.full((nb, BS, HKV, D), float("nan")).to(torch.float8_e4m3fn)
+    st = filled_step(LENS, BS, HKV, D, gen, table_seed=3, key_scale=3)
+    meta, kf, vf = st.meta, st.k_cache, st.v_cache
+    k8 = torch.full_like(kf, float("nan")).to(torch.float8_e4m3fn)
     v8 = k8.clone()
     ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
-    store_kv_fp8_ref(k, v, k8, v8, fill.slot_mapping, ks, vs)
+    store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, ks, vs)
     q = (torch.randn(meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
     return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
 

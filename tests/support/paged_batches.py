@@ -131,3 +131,32 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two float tensors (NaN payloads and the sign of zero included)."""
     ints = {4: torch.int32, 2: torch.int16, 1: torch.int8}[a.element_size()]
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
+@dataclass(frozen=True)
+class FilledStep:
+    """A step over NaN-filled float32 caches (unwritten slots show up as NaN) holding every context."""
+
+    meta: AttentionMetadata      # the step: each sequence's last query_len positions
+    fill: AttentionMetadata      # every position of every context (what was stored)
+    k: torch.Tensor              # [fill tokens, Hkv, D] the stored keys
+    v: torch.Tensor
+    k_cache: torch.Tensor        # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+
+
+def filled_step(lens: Sequence[tuple[int, int]], block_size: int, num_kv_heads: int, head_dim: int,
+                gen: torch.Generator, table_seed: int, key_scale: float = 1.0) -> FilledStep:
+    """Sequences of (context, new tokens) `lens` on random disjoint blocks, random keys (times key_scale)
+    and values stored at every context position."""
+    from deepinfer.kernels.reference.store_kv import store_kv_ref
+
+    tables, nb = random_block_lists([c for c, _ in lens], block_size, seed=table_seed)
+    meta = build_metadata([SeqStep(b, c, q) for b, (c, q) in zip(tables, lens, strict=True)], block_size)
+    fill = build_metadata([SeqStep(b, c, c) for b, (c, _) in zip(tables, lens, strict=True)], block_size)
+    k = torch.randn(fill.num_tokens, num_kv_heads, head_dim, generator=gen) * key_scale
+    v = torch.randn(fill.num_tokens, num_kv_heads, head_dim, generator=gen)
+    kc = torch.full((nb, block_size, num_kv_heads, head_dim), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    store_kv_ref(k, v, kc, vc, fill.slot_mapping)
+    return FilledStep(meta, fill, k, v, kc, vc)
