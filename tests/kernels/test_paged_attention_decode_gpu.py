@@ -1,5 +1,6 @@
 """GPU: decode steps and prefill chunks of the paged-attention kernel give a token the same bits, bf16 and
-e4m3 caches, and both agree with paged_attention_ref.
+e4m3 caches, and both agree with paged_attention_ref; a CUDA-graph prefill step's static plan gives the host
+plan's bits.
 
 `paged_attention` runs decode steps (one query token per sequence) with their own tile config
 (`attention_tile_config(..., decode=True)`): this checks that a token decoded in a batch of one-token steps
@@ -122,3 +123,38 @@ def test_decode_and_prefill_match_reference(setup):
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
         row_err = (out.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-3)
         assert row_err.max().item() < 2e-2, f"worst (token, head) relative error {row_err.max().item():.2e}"
+
+
+def test_static_prefill_plan_gives_the_host_plans_bits(setup):
+    """A step padded as a CUDA-graph prefill step (engine/runner/prefill_inputs.py: empty sequences, the
+    padding sequence, the plan in a static buffer filled to capacity) gives its real rows the bits of the
+    same step on the host plan."""
+    import numpy as np
+    from deepinfer.engine.runner.host_step import HostStep
+    from deepinfer.engine.runner.prefill_inputs import (
+        StaticPrefillBuffers,
+        pad_prefill,
+        prefill_graph_metadata,
+    )
+    from deepinfer.kernels.paged_attention import attention_tile_config, paged_attention
+
+    s = setup
+    lens = s["lens"]
+    # a mixed step: decode rows and chunks after a prefix
+    rows = [(b, n - 1, n) if b % 3 == 0 else (b, n // 3, n) for b, n in enumerate(lens)]
+    eager, meta, qs = _step(s, rows)
+    t = qs.shape[0]
+    hq, hkv, d = qs.shape[1], s["kc"].shape[2], qs.shape[2]
+    block_q = attention_tile_config(hq // hkv, d, qs.dtype, kv_fp8=s["ks"] is not None)["BLOCK_Q"]
+    host = {k: getattr(meta, k).cpu().numpy() for k in ("positions", "slot_mapping", "block_tables")}
+    step = HostStep(np.zeros(t, dtype=np.int64), host["positions"], host["slot_mapping"],
+                    list(meta.query_lens_cpu), list(meta.seq_lens_cpu), host["block_tables"], [])
+    for bucket, max_seqs in ((t, len(lens)), (t + 1000, 64)):
+        width = meta.block_tables.shape[1]
+        buf = StaticPrefillBuffers(bucket, max_seqs, width, block_q, torch.device(DEV))
+        buf.load(pad_prefill(step, bucket, max_seqs, block_q))
+        qp = torch.randn(bucket, hq, d, device=DEV).to(qs.dtype)
+        qp[:t] = qs
+        out = paged_attention(qp, s["kc"], s["vc"], prefill_graph_metadata(buf, bucket, BS), s["scale"],
+                              s["ks"], s["vs"])
+        assert torch.equal(out[:t], eager), f"static plan (bucket {bucket}, {max_seqs} seqs) != host plan"
