@@ -96,7 +96,8 @@ class LLM:
         tensor_parallel_size: int = 1,
     ) -> None:
         """enable_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; off with
-        DEEPINFER_DISABLE_CUDA_GRAPHS=1); cuda_graph_capture: "startup" (every batch-size bucket before the
+        DEEPINFER_DISABLE_CUDA_GRAPHS=1; prefill steps too with DEEPINFER_PREFILL_GRAPHS=1, experimental,
+        runner/prefill_graphs.py); cuda_graph_capture: "startup" (every batch-size bucket before the
         first step) or "lazy" (each bucket on its first use), None reads DEEPINFER_CUDA_GRAPH_CAPTURE
         (default "startup"); the same bits either way. async_scheduling: overlap host work with the device
         step (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic

@@ -1,5 +1,7 @@
 """CUDA graphs of the model's forward for pure-decode steps, one per batch-size bucket.
 
+(Prefill and mixed steps: runner/prefill_graphs.py, which shares the capture helpers at the end of this file.)
+
 A decode step of a small model is host-bound: hundreds of kernel launches from Python for a few ms of GPU
 work. Capturing the forward once per bucket (input_buffers.graph_buckets) and replaying it with padded
 inputs (input_buffers.pad_decode) costs one launch per step. Only the forward (embedding -> layers -> final
