@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from deepinfer.engine.core.gc_scope import quiet_gc
 from deepinfer.engine.core.overlap import OverlapStats, run_overlapped
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
@@ -88,7 +89,12 @@ class EngineCore:
 
     def run(self, on_finish: Callable[[Sequence], None]) -> None:
         """Step until no request is pending, calling `on_finish` for each one as it finishes. MTP steps are
-        synchronous; once drafting turns itself off the rest of the run takes the configured loop."""
+        synchronous; once drafting turns itself off the rest of the run takes the configured loop. The
+        cyclic collector is kept quiet during the run (core/gc_scope.py)."""
+        with quiet_gc():
+            self._run(on_finish)
+
+    def _run(self, on_finish: Callable[[Sequence], None]) -> None:
         while self.spec is not None and self.spec.active and self.scheduler.has_unfinished():
             for seq in self.step():
                 on_finish(seq)

@@ -1,0 +1,103 @@
+"""Garbage-collector pauses inside engine runs, with and without `quiet_gc` (engine/core/gc_scope.py).
+
+Runs the real engine on CPU over the near-free model of bench_host_step.py (a 1-layer Qwen2 shape with a
+real byte-level BPE), so a run is mostly host work as a small model's run is on the GPU host, and records
+every cyclic-collector pause (gc.callbacks) inside each `generate`: how many per generation, their total and
+the longest, and the run's wall time. The two arms alternate run by run ("quiet": the engine as shipped;
+"plain": `quiet_gc` replaced by a no-op in this process), after one warm-up run each.
+
+    python3 benchmarks/gc_pauses.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+class PauseLog:
+    """Collector pauses (generation, seconds) while `active`."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self.active = False
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+
+def one_run(llm, prompts, params, log: PauseLog) -> dict:
+    log.pauses.clear()
+    log.active = True
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    log.active = False
+    by_gen = {g: [s for gg, s in log.pauses if gg == g] for g in (0, 1, 2)}
+    return {"wall_s": wall, "gc_ms": 1e3 * sum(s for _, s in log.pauses),
+            "longest_ms": 1e3 * max((s for _, s in log.pauses), default=0.0),
+            "count": {f"gen{g}": len(v) for g, v in by_gen.items()},
+            "ms": {f"gen{g}": round(1e3 * sum(v), 2) for g, v in by_gen.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=200)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=5, help="measured runs per arm, alternating")
+    ap.add_argument("--out", help="write the summary JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from bench_host_step import model_dir
+    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine.core import engine_core
+
+    d = model_dir(Path(tempfile.gettempdir()) / "deepinfer-bench", args.vocab)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, args.vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm = LLM(model=str(d), dtype="float32", device="cpu", load_format="dummy",
+              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.num_prompts,
+              max_num_batched_tokens=16384, num_kv_blocks=args.num_prompts * (
+                  (args.prompt_len + args.output_len) // 16 + 2))
+    shipped = engine_core.quiet_gc
+    arms = {"quiet": shipped, "plain": contextlib.nullcontext}
+    log = PauseLog()
+    results: dict[str, list[dict]] = {a: [] for a in arms}
+    for i in range(args.runs + 1):   # round 0 warms both arms up
+        for arm, scope in arms.items():
+            engine_core.quiet_gc = scope
+            r = one_run(llm, prompts, params, log)
+            if i:
+                results[arm].append(r)
+                print(json.dumps({"arm": arm, "run": i, **r}), flush=True)
+    engine_core.quiet_gc = shipped
+    summary = {"config": vars(args)}
+    for arm, rs in results.items():
+        summary[arm] = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "gc_ms", "longest_ms")}
+        summary[arm]["wall_s_min_max"] = [min(r["wall_s"] for r in rs), max(r["wall_s"] for r in rs)]
+        summary[arm]["gen2_collections"] = sum(r["count"]["gen2"] for r in rs)
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
