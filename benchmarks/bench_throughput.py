@@ -23,6 +23,7 @@ turns it on (how this benchmark ran until 2026-12-02, 03:30 UTC: its figures bef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -43,7 +44,26 @@ from common import (
 )
 from shapes import PARAMS, write_shape
 
-PREFILL_GRAPHS_ENV = "DEEPINFER_PREFILL_GRAPHS"
+# Arm suffixes (a mode "deterministic+pg+plaingc" takes both): the environment switch each sets for its arm.
+ARM_SWITCHES = {"pg": ("DEEPINFER_PREFILL_GRAPHS", "prefill CUDA graphs"),
+                "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs")}
+
+
+@contextlib.contextmanager
+def arm_env(mode: str):
+    """The environment of arm `mode` ("deterministic" or "fast", then "+suffix"es of ARM_SWITCHES), set for
+    the arm's whole life (the engine reads some switches when it is built, others per run)."""
+    _, *suffixes = mode.split("+")
+    names = [ARM_SWITCHES[x][0] for x in suffixes]
+    saved = {n: os.environ.pop(n, None) for n in (v[0] for v in ARM_SWITCHES.values())}
+    os.environ.update({n: "1" for n in names})
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            os.environ.pop(n, None)
+            if v is not None:
+                os.environ[n] = v
 
 CEILING_FLOPS = 780e12
 
@@ -58,29 +78,21 @@ def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bo
                     quant: dict | None = None, step_tokens: int = 16384) -> dict:
     from deepinfer.engine import LLM, SamplingParams
 
-    # A "+pg" arm turns the prefill graphs on (runner/prefill_graphs.py; read when the engine is built).
-    previous = os.environ.pop(PREFILL_GRAPHS_ENV, None)
-    if mode.endswith("+pg"):
-        os.environ[PREFILL_GRAPHS_ENV] = "1"
-    try:
+    with arm_env(mode):
         llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
                   deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
                   max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
                   enable_prefix_caching=prefix_cache, **(quant or {}))
-    finally:
-        os.environ.pop(PREFILL_GRAPHS_ENV, None)
-        if previous is not None:
-            os.environ[PREFILL_GRAPHS_ENV] = previous
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    rec = StepRecorder(llm)
-    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-
-    seconds, first = measure_runs(llm, prompts, sp, rec, runs, out, mode)
-    n_out = sum(map(len, first))
-    result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
-              "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
-    if profile_steps:
-        result["profile"] = profiled_run(llm, prompts, sp, rec)
+        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        rec = StepRecorder(llm)
+        llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+        seconds, first = measure_runs(llm, prompts, sp, rec, runs, out, mode)
+        n_out = sum(map(len, first))
+        result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
+                  "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
+        if profile_steps:
+            result["profile"] = profiled_run(llm, prompts, sp, rec)
     return result  # the engine goes with this frame; main() then frees its GPU memory
 
 
@@ -141,7 +153,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
-                    help="arms: deterministic, fast, hf; deterministic+pg, fast+pg: with prefill graphs")
+                    help="arms: deterministic, fast, hf; +pg (prefill graphs), +plaingc (default GC)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
@@ -183,9 +195,10 @@ def main() -> None:
         if mode == "hf":
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
-            if mode.removesuffix("+pg") not in ("deterministic", "fast"):
-                raise SystemExit(f"--modes: {mode!r} is not deterministic, fast, hf or one of the first two "
-                                 "with +pg (prefill CUDA graphs)")
+            base, *suffixes = mode.split("+")
+            if base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES for x in suffixes):
+                known = ", ".join(f"+{k} ({v[1]})" for k, v in ARM_SWITCHES.items())
+                raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
             det = mode.startswith("deterministic")
             r = bench_deepinfer(model_dir, prompts, args.output_len, det, args.runs, args.profile_steps, out,
                                 mode, args.prefix_cache, quant, args.max_num_batched_tokens)

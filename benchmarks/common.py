@@ -39,9 +39,9 @@ def compare_arms(rows: dict[str, dict[str, Any]]) -> None:
     if "hf" in rows:
         for r in rows.values():
             r["ratio_to_hf"] = r["out_tok_s"]["median"] / rows["hf"]["out_tok_s"]["median"]
-    for suffix in ("", "+pg"):   # +pg: the prefill-graph arms (bench_throughput.py)
-        d, f = "deterministic" + suffix, "fast" + suffix
-        if d in rows and f in rows:
+    for d in [m for m in rows if m.startswith("deterministic")]:   # suffixed arms: bench_throughput.py
+        f = "fast" + d.removeprefix("deterministic")
+        if f in rows:
             det, fast = rows[d]["out_tok_s"]["median"], rows[f]["out_tok_s"]["median"]
             rows[d]["slowdown_vs_fast"] = 1 - det / fast
 

@@ -17,15 +17,17 @@ collections find them dead). Measured there: no full collection in any run, coll
 
 Where something else froze objects already (a server that froze its start-up heap, or another engine's run
 in this process), or turned the collector off, the run leaves the collector as it is: unfreezing would
-hand back objects it did not freeze.
+hand back objects it did not freeze. $DEEPINFER_DISABLE_QUIET_GC=1 leaves it as it is too (A/B runs).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+DISABLE_ENV = "DEEPINFER_DISABLE_QUIET_GC"   # 1: CPython's defaults during runs (A/B benchmarks)
 # Allocations (net, of objects the collector tracks) between young-generation collections during a run.
 RUN_GEN0_THRESHOLD = 10_000
 
@@ -34,7 +36,7 @@ RUN_GEN0_THRESHOLD = 10_000
 def quiet_gc() -> Iterator[None]:
     """Within the block, objects that existed at its start are not scanned by the cyclic collector and the
     young generation is collected less often; both are undone when the block ends."""
-    if not gc.isenabled() or gc.get_freeze_count():
+    if not gc.isenabled() or gc.get_freeze_count() or os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         yield
         return
     threshold = gc.get_threshold()

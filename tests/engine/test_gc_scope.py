@@ -47,12 +47,14 @@ def test_garbage_made_inside_the_block_is_collected_inside_it():
         assert ref() is None
 
 
-@pytest.mark.parametrize("case", ["frozen_by_someone_else", "collector_disabled"])
-def test_leaves_the_collector_as_it_found_it(case):
+@pytest.mark.parametrize("case", ["frozen_by_someone_else", "collector_disabled", "switched_off"])
+def test_leaves_the_collector_as_it_found_it(case, monkeypatch):
     if case == "frozen_by_someone_else":
         gc.freeze()
-    else:
+    elif case == "collector_disabled":
         gc.disable()
+    else:
+        monkeypatch.setenv("DEEPINFER_DISABLE_QUIET_GC", "1")
     try:
         before = gc.get_freeze_count(), gc.get_threshold()
         with quiet_gc():
