@@ -191,12 +191,35 @@ def one_run(llm: Any, prompts: list[list[int]], params: list[Any], graphs: bool,
             "us_per_step_median": med, "outputs": [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload of the CPU host benchmarks (this one, gc_pauses.py)."""
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=4096)
+
+
+def workload(args: argparse.Namespace) -> tuple[Path, list[list[int]]]:
+    """(the tiny model's directory, the random prompts) of `add_workload_args`' arguments."""
+    d = model_dir(Path(tempfile.gettempdir()) / "deepinfer-bench", args.vocab)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, args.vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    return d, prompts
+
+
+def tiny_llm(d: Path, args: argparse.Namespace, **kw: Any) -> Any:
+    """An LLM over the tiny model on CPU, sized for the workload (every request's blocks fit)."""
+    from deepinfer.engine import LLM
+
+    return LLM(model=str(d), dtype="float32", device="cpu", load_format="dummy",
+               max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.num_prompts,
+               max_num_batched_tokens=16384,
+               num_kv_blocks=args.num_prompts * ((args.prompt_len + args.output_len) // 16 + 2), **kw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stop-frac", type=float, default=0.0,
                     help="share of requests given a (never matching) stop string: incremental detokenization")
@@ -206,12 +229,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine import SamplingParams
 
-    root = Path(tempfile.gettempdir()) / "deepinfer-bench"
-    d = model_dir(root, args.vocab)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, args.vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    d, prompts = workload(args)
     n_stop = int(round(args.stop_frac * args.num_prompts))
     # One params object for the plain requests, as bench_throughput.py passes (the engine reads it once).
     plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -221,10 +241,7 @@ def main() -> None:
     runs, first = [], None
     prof = cProfile.Profile() if args.profile else None
     for i in range(args.runs + 1):   # run 0 warms up
-        llm = LLM(model=str(d), dtype="float32", device="cpu", load_format="dummy",
-                  max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.num_prompts,
-                  max_num_batched_tokens=16384, num_kv_blocks=args.num_prompts * (
-                      (args.prompt_len + args.output_len) // 16 + 2), async_scheduling=not args.sync)
+        llm = tiny_llm(d, args, async_scheduling=not args.sync)
         r = one_run(llm, prompts, params, not args.no_graphs, prof if i == args.runs else None)
         outs = r.pop("outputs")
         first = first or outs

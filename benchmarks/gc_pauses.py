@@ -16,7 +16,6 @@ import contextlib
 import gc
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,27 +55,21 @@ def one_run(llm, prompts, params, log: PauseLog) -> dict:
 
 
 def main() -> None:
+    from bench_host_step import add_workload_args
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=200)
-    ap.add_argument("--vocab", type=int, default=4096)
+    add_workload_args(ap)
     ap.add_argument("--runs", type=int, default=5, help="measured runs per arm, alternating")
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from bench_host_step import model_dir
-    from deepinfer.engine import LLM, SamplingParams
+    from bench_host_step import tiny_llm, workload
+    from deepinfer.engine import SamplingParams
     from deepinfer.engine.core import engine_core
 
-    d = model_dir(Path(tempfile.gettempdir()) / "deepinfer-bench", args.vocab)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, args.vocab - 100, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    d, prompts = workload(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm = LLM(model=str(d), dtype="float32", device="cpu", load_format="dummy",
-              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.num_prompts,
-              max_num_batched_tokens=16384, num_kv_blocks=args.num_prompts * (
-                  (args.prompt_len + args.output_len) // 16 + 2))
+    llm = tiny_llm(d, args)
     shipped = engine_core.quiet_gc
     arms = {"quiet": shipped, "plain": contextlib.nullcontext}
     log = PauseLog()
