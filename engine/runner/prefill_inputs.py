@@ -137,9 +137,12 @@ class StaticPrefillBuffers:
         h["query_start_loc"][:] = step.query_start_loc
         h["seq_lens"][:] = step.seq_lens
         h["block_tables"][:b, :width] = step.block_tables
+        parts = {"input_ids": n, "positions": n, "slot_mapping": n, "query_start_loc": self.max_seqs + 2,
+                 "seq_lens": self.max_seqs + 1, "block_tables": b}
         if step.plan is not None:
             h["plan"][: step.plan.shape[0]] = step.plan
-        self._image.upload()
+            parts["plan"] = step.plan.shape[0]
+        self._image.upload(parts)   # what this step reads and wrote: prefixes of the token and table buffers
         self.last = step
 
 

@@ -9,7 +9,7 @@ overwritten). On CPU the image is the device tensor itself and `upload` does not
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ class StaticImage:
             size = int(np.prod(shape, dtype=np.int64)) * words
             spans[name] = (offset, offset + size)
             offset += size
+        self._spans = spans
         self.image = np.zeros(offset, dtype=np.int32)
         # On CPU the image itself is the device buffer: nothing to copy.
         flat = torch.from_numpy(self.image)
@@ -51,8 +52,10 @@ class StaticImage:
     def nbytes(self) -> int:
         return self.image.nbytes
 
-    def upload(self) -> None:
-        """Copy the image to the device, asynchronously on the current stream."""
+    def upload(self, parts: Mapping[str, int] | None = None) -> None:
+        """Copy the image to the device, asynchronously on the current stream: all of it, or for each field
+        of `parts` its first n entries along the first axis (rows of a 2-D field), the rest of the device
+        buffers keeping what they hold (a step that fills a prefix of large buffers moves that prefix)."""
         if not self._cuda:
             return   # the image is the buffer
         if not self._ring:
@@ -63,7 +66,24 @@ class StaticImage:
         staging, event, used = slot
         if used:
             event.synchronize()   # its copy of two steps ago: finished long since
-        staging.numpy()[:] = self.image
-        self._flat.copy_(staging, non_blocking=True)
+        for lo, hi in self._ranges(parts):
+            staging.numpy()[lo:hi] = self.image[lo:hi]
+            self._flat[lo:hi].copy_(staging[lo:hi], non_blocking=True)
         event.record()
         slot[2] = True
+
+    def _ranges(self, parts: Mapping[str, int] | None) -> list[tuple[int, int]]:
+        """The int32 word ranges `upload` copies, adjacent ones merged."""
+        if parts is None:
+            return [(0, self.image.shape[0])]
+        ranges: list[tuple[int, int]] = []
+        for name in sorted(parts, key=lambda k: self._spans[k][0]):
+            lo, hi = self._spans[name]
+            rows = self.host[name].shape[0]
+            n = min(max(parts[name], 0), rows)
+            end = lo + (hi - lo) // rows * n
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], end)
+            elif end > lo:
+                ranges.append((lo, end))
+        return ranges
