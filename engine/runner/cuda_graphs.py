@@ -42,6 +42,7 @@ from deepinfer.engine.runner.input_buffers import (
     graph_metadata,
     pick_bucket,
 )
+from deepinfer.engine.sample.metadata import index_tensor
 from deepinfer.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("deepinfer.engine")
@@ -197,8 +198,8 @@ class DecodeGraphs:
                 self.buffers.input_ids[:n].copy_(prev_ids)
                 return b
             dst, src = zip(*pending_rows)
-            dst_t = _index_tensor(dst, self.device)
-            src_t = _index_tensor(src, self.device)
+            dst_t = index_tensor(dst, self.device)
+            src_t = index_tensor(src, self.device)
             self.buffers.input_ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
         return b
 
@@ -261,11 +262,6 @@ def capture_measured(stats: GraphStats, forward: Callable[[], torch.Tensor], poo
     torch.cuda.synchronize(device)
     stats.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(device)[0])
     return captured
-
-
-def _index_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def env_flag(name: str) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 from deepinfer.engine.core.scheduler_output import SchedulerOutput
 from deepinfer.engine.runner.cuda_graphs import (
@@ -34,6 +33,7 @@ from deepinfer.engine.runner.prefill_inputs import (
     prefill_buckets,
     prefill_graph_metadata,
 )
+from deepinfer.engine.sample.metadata import index_tensor
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -111,19 +111,15 @@ class PrefillGraphs:
         if pending:
             assert prev_ids is not None
             dst, src = zip(*pending)
-            ids = prev_ids.index_select(0, self._index(src))
-            self.buffers.input_ids.index_copy_(0, self._index(dst), ids)
+            ids = prev_ids.index_select(0, index_tensor(src, self.device))
+            self.buffers.input_ids.index_copy_(0, index_tensor(dst, self.device), ids)
         if bucket not in self._graphs and not self._capture(bucket):
             return None
         graph, hidden = self._graphs[bucket]
         graph.replay()
         self.stats.replays += 1
         self.stats.padded_rows += bucket - step.num_tokens
-        return hidden.index_select(0, self._index(step.sample_rows))
-
-    def _index(self, values) -> torch.Tensor:
-        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return hidden.index_select(0, index_tensor(step.sample_rows, self.device))
 
 
 def prefill_block_q(model: torch.nn.Module, kv_caches: list) -> int:

@@ -64,12 +64,11 @@ class PaddedPrefill:
     input_ids: np.ndarray        # int64 [bucket]
     positions: np.ndarray        # int64 [bucket]
     slot_mapping: np.ndarray     # int64 [bucket]
-    query_start_loc: np.ndarray  # int32 [max_seqs + 2]
-    seq_lens: np.ndarray         # int32 [max_seqs + 1]
+    query_start_loc: np.ndarray  # int32 [max_seqs + 2]: the cumulative query_lens
     block_tables: np.ndarray     # int32 [B, width]: the step's own sequences' tables only
     plan: np.ndarray | None      # int32 [2 * plan_capacity]; None without a block_q (CPU: no kernel plan)
-    query_lens: list[int]        # [max_seqs + 1], host copies for the metadata
-    seq_lens_list: list[int]     # [max_seqs + 1]
+    query_lens: list[int]        # [max_seqs + 1]: new tokens per sequence
+    seq_lens: list[int]          # [max_seqs + 1]: context length per sequence after the step
 
 
 def pad_prefill(step: HostStep, bucket: int, max_seqs: int, block_q: int | None) -> PaddedPrefill:
@@ -97,8 +96,7 @@ def pad_prefill(step: HostStep, bucket: int, max_seqs: int, block_q: int | None)
         # Programs past the plan: the padding sequence at a query block past all its tokens (stores nothing).
         plan[real.shape[0]::2] = max_seqs
         plan[real.shape[0] + 1::2] = -(-bucket // block_q) + 1
-    return PaddedPrefill(t, bucket, ids, pos, slots, qsl, np.asarray(seq_lens, dtype=np.int32),
-                         step.block_tables, plan, query_lens, seq_lens)
+    return PaddedPrefill(t, bucket, ids, pos, slots, qsl, step.block_tables, plan, query_lens, seq_lens)
 
 
 class StaticPrefillBuffers:
@@ -155,7 +153,7 @@ def prefill_graph_metadata(buf: StaticPrefillBuffers, bucket: int, block_size: i
     the host lengths of the step loaded last instead, for ops that read them (the CPU ops: stand-ins)."""
     s = buf.max_seqs
     if live and buf.last is not None:
-        query_lens, seq_lens = list(buf.last.query_lens), list(buf.last.seq_lens_list)
+        query_lens, seq_lens = list(buf.last.query_lens), list(buf.last.seq_lens)
     else:
         query_lens, seq_lens = [0] * s + [bucket], [PAD_SEQ_LEN] * (s + 1)
     plan = None

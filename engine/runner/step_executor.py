@@ -15,7 +15,7 @@ import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence
 from deepinfer.engine.runner.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
-from deepinfer.engine.sample.metadata import SamplingMetadata
+from deepinfer.engine.sample.metadata import SamplingMetadata, index_tensor
 
 if TYPE_CHECKING:
     from deepinfer.engine.runner.cuda_graphs import DecodeGraphs
@@ -104,11 +104,6 @@ class StepExecutor:
         self.eager_steps = 0
         self.graph_steps = 0
 
-    def _index(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int64)
-        dev = self.runner.device
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> ForwardPass:
         """Launch the model over `out`; placeholder inputs are read from `prev` on the device."""
@@ -144,7 +139,8 @@ class StepExecutor:
         ids = batch.input_ids
         if pending:
             dst, src = zip(*pending)
-            ids.index_copy_(0, self._index(list(dst)), prev_ids.index_select(0, self._index(list(src))))
+            dev = r.device
+            ids.index_copy_(0, index_tensor(dst, dev), prev_ids.index_select(0, index_tensor(src, dev)))
         hidden = r.model(ids, batch.positions, batch.meta, r.kv_caches)
         record_prompt_logprobs(r.model, hidden, out, prompt_rows, r.vocab_size)
         return ForwardPass(out, hidden[batch.sample_indices])
@@ -162,7 +158,7 @@ class StepExecutor:
         sampled = fwd.out.sampled_seqs()
         if len(seqs) != len(sampled):
             row = {q.seq_id: i for i, q in enumerate(sampled)}
-            hidden = hidden.index_select(0, self._index([row[s.seq_id] for s in seqs]))
+            hidden = hidden.index_select(0, index_tensor([row[s.seq_id] for s in seqs], r.device))
         if not masks_started and r.structured is not None:
             masks = r.structured.masks_for(seqs)
         # Logits in the model's dtype where the model offers them (engine/models/stack.py): the mask and the

@@ -166,7 +166,8 @@ class SamplingMetadata:
             row_params = to_device(pack_row_params(temps, _int64_seeds(seeds), [int(x) for x in positions]),
                                    device)
             if filt:
-                filtered = cls(num_rows=n, vocab_size=vocab_size, device=device, greedy_rows=_idx([], device),
+                filtered = cls(num_rows=n, vocab_size=vocab_size, device=device,
+                               greedy_rows=index_tensor([], device),
                                **_draw_fields(params, seeds, positions, filt, vocab_size, device),
                                penalties=None, blocked_rows=None, blocked_tokens=None,
                                num_logprobs=[None] * n)
@@ -176,7 +177,7 @@ class SamplingMetadata:
             device=device,
             # Every row greedy: the row indices are made on the device (no host -> device copy).
             greedy_rows=(torch.arange(n, dtype=torch.int64, device=device) if len(greedy) == n
-                         else _idx(greedy, device)),
+                         else index_tensor(greedy, device)),
             **_draw_fields(params, seeds, positions, sample, vocab_size, device),
             penalties=None if p0 is not None and not _uses_penalty(p0) else _penalty_data(
                 params, prompts, outputs, vocab_size, device),
@@ -189,7 +190,8 @@ class SamplingMetadata:
         )
 
 
-def _idx(values: list[int], device: torch.device) -> torch.Tensor:
+def index_tensor(values: SequenceABC[int], device: torch.device) -> torch.Tensor:
+    """int64 row indices (or other host ints) on `device`, without blocking the host (`to_device`)."""
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
@@ -232,7 +234,7 @@ def _draw_fields(
         return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     def sub_idx(values: list[int]) -> torch.Tensor | None:
-        return _idx(values, device) if values else None
+        return index_tensor(values, device) if values else None
 
     sp = [params[i] for i in sample]
     top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in sp]
@@ -240,11 +242,11 @@ def _draw_fields(
     top_p_set = set(use_top_p)
     top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]
     return {
-        "sample_rows": _idx(sample, device),
+        "sample_rows": index_tensor(sample, device),
         "temperature": f32_on([float(p.temperature) for p in sp]),
-        "seeds": _idx([to_int64(seeds[i]) for i in sample], device),
-        "positions": _idx([int(positions[i]) for i in sample], device),
-        "top_k": _idx(top_k, device),
+        "seeds": index_tensor([to_int64(seeds[i]) for i in sample], device),
+        "positions": index_tensor([int(positions[i]) for i in sample], device),
+        "top_k": index_tensor(top_k, device),
         "top_p": to_device(torch.tensor([float(p.top_p) for p in sp], dtype=torch.float64), device),
         "min_p": f32_on([float(p.min_p) for p in sp]),
         "top_p_idx": sub_idx(use_top_p),

@@ -61,9 +61,8 @@ def test_padding_sequence_holds_the_padding_tokens():
     assert p.input_ids[:9].tolist() == step.input_ids.tolist() and p.input_ids[9:].tolist() == [0] * 7
     assert p.positions[9:].tolist() == [0] * 7 and p.slot_mapping[9:].tolist() == [PAD_SLOT] * 7
     # sequences 0-2 the step's, 3-4 empty, 5 the padding sequence (its 7 tokens at position 0, context 1)
-    assert p.query_lens == [5, 1, 3, 0, 0, 7] and p.seq_lens_list == [5, 10, 7, 1, 1, 1]
+    assert p.query_lens == [5, 1, 3, 0, 0, 7] and p.seq_lens == [5, 10, 7, 1, 1, 1]
     assert p.query_start_loc.tolist() == [0, 5, 6, 9, 9, 9, 16]
-    assert p.seq_lens.tolist() == [5, 10, 7, 1, 1, 1]
 
 
 def _programs(plan: np.ndarray) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
 
-from tests.support.paged_batches import SeqStep, build_metadata, random_block_lists
+from tests.support.paged_batches import SeqStep, build_metadata, host_step_of, random_block_lists
 
 pytestmark = [
     pytest.mark.gpu,
@@ -129,8 +129,6 @@ def test_static_prefill_plan_gives_the_host_plans_bits(setup):
     """A step padded as a CUDA-graph prefill step (engine/runner/prefill_inputs.py: empty sequences, the
     padding sequence, the plan in a static buffer filled to capacity) gives its real rows the bits of the
     same step on the host plan."""
-    import numpy as np
-    from deepinfer.engine.runner.host_step import HostStep
     from deepinfer.engine.runner.prefill_inputs import (
         StaticPrefillBuffers,
         pad_prefill,
@@ -146,9 +144,7 @@ def test_static_prefill_plan_gives_the_host_plans_bits(setup):
     t = qs.shape[0]
     hq, hkv, d = qs.shape[1], s["kc"].shape[2], qs.shape[2]
     block_q = attention_tile_config(hq // hkv, d, qs.dtype, kv_fp8=s["ks"] is not None)["BLOCK_Q"]
-    host = {k: getattr(meta, k).cpu().numpy() for k in ("positions", "slot_mapping", "block_tables")}
-    step = HostStep(np.zeros(t, dtype=np.int64), host["positions"], host["slot_mapping"],
-                    list(meta.query_lens_cpu), list(meta.seq_lens_cpu), host["block_tables"], [])
+    step = host_step_of(meta)
     for bucket, max_seqs in ((t, len(lens)), (t + 1000, 64)):
         width = meta.block_tables.shape[1]
         buf = StaticPrefillBuffers(bucket, max_seqs, width, block_q, torch.device(DEV))

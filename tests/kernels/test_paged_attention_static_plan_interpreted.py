@@ -7,14 +7,12 @@ for another BLOCK_Q is refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from deepinfer.engine.runner.host_step import HostStep
 from deepinfer.engine.runner.prefill_inputs import StaticPrefillBuffers, pad_prefill, prefill_graph_metadata
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import filled_step
+from tests.support.paged_batches import filled_step, host_step_of
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -37,19 +35,13 @@ def step():
     return st.meta, q, st.k_cache, st.v_cache
 
 
-def _host_step(meta) -> HostStep:
-    t = meta.num_tokens
-    return HostStep(np.zeros(t, dtype=np.int64), meta.positions.numpy(), meta.slot_mapping.numpy(),
-                    list(meta.query_lens_cpu), list(meta.seq_lens_cpu), meta.block_tables.numpy(), [])
-
-
 @pytest.mark.parametrize("bucket,max_seqs", [(62, 5), (64, 8), (200, 5), (256, 40)])
 def test_padded_step_on_the_static_plan_gives_the_host_plans_bits(pa, step, bucket, max_seqs):
     meta, q, kc, vc = step
     eager = pa.paged_attention(q, kc, vc, meta, 0.3)
     block_q = pa.attention_tile_config(HQ // HKV, D, q.dtype, decode=False)["BLOCK_Q"]
     buf = StaticPrefillBuffers(256, max_seqs, 8, block_q, torch.device("cpu"))
-    buf.load(pad_prefill(_host_step(meta), bucket, max_seqs, block_q))
+    buf.load(pad_prefill(host_step_of(meta), bucket, max_seqs, block_q))
     padded_meta = prefill_graph_metadata(buf, bucket, BS)
     qp = torch.randn(bucket, HQ, D, generator=torch.Generator().manual_seed(1))
     qp[: meta.num_tokens] = q
@@ -62,7 +54,7 @@ def test_a_plan_of_other_query_blocks_is_refused(pa, step):
     meta, q, kc, vc = step
     block_q = pa.attention_tile_config(HQ // HKV, D, q.dtype, decode=False)["BLOCK_Q"]
     buf = StaticPrefillBuffers(64, 5, 8, block_q + 1, torch.device("cpu"))
-    buf.load(pad_prefill(_host_step(meta), 64, 5, block_q + 1))
+    buf.load(pad_prefill(host_step_of(meta), 64, 5, block_q + 1))
     qp = torch.zeros(64, HQ, D)
     with pytest.raises(ValueError, match="prefill_plan was built for BLOCK_Q"):
         pa.paged_attention(qp, kc, vc, prefill_graph_metadata(buf, 64, BS), 0.3)

@@ -160,3 +160,14 @@ def filled_step(lens: Sequence[tuple[int, int]], block_size: int, num_kv_heads: 
     vc = torch.full_like(kc, float("nan"))
     store_kv_ref(k, v, kc, vc, fill.slot_mapping)
     return FilledStep(meta, fill, k, v, kc, vc)
+
+
+def host_step_of(meta: AttentionMetadata):
+    """The engine's host arrays (engine/runner/host_step.HostStep) of a step built by `build_metadata`, for
+    padding it as a CUDA-graph prefill step (input ids zero: attention never reads them)."""
+    import numpy as np
+    from deepinfer.engine.runner.host_step import HostStep
+
+    host = {k: getattr(meta, k).cpu().numpy() for k in ("positions", "slot_mapping", "block_tables")}
+    return HostStep(np.zeros(meta.num_tokens, dtype=np.int64), host["positions"], host["slot_mapping"],
+                    list(meta.query_lens_cpu), list(meta.seq_lens_cpu), host["block_tables"], [])
