@@ -4,7 +4,8 @@ Run on a CUDA machine:
     python benchmarks/bench_throughput.py --shape llama-3.1-8b --num-prompts 256 --out results.json
     python benchmarks/bench_throughput.py --shape qwen2.5-0.5b --profile-steps --out tp_qwen.json
 
-Each arm loads once, runs one full warm-up, then `--runs` measured runs (median, min, max reported).
+Each arm loads once, runs one full warm-up, then `--runs` measured runs (median, min, max reported);
+`--interleave` keeps the deepinfer arms loaded side by side and takes their runs in turn.
 `--profile-steps` adds one profiled run per deepinfer mode: GPU busy fraction and host ms per decode step.
 `--profile X --profile-modes deterministic,fast` writes torch.profiler tables of a prefill-heavy run per mode
 (X.deterministic, X.fast) and exits: where deterministic mode's extra time goes.
@@ -39,13 +40,15 @@ from common import (
     compare_arms,
     measure_hf_runs,
     measure_runs,
+    measured_run,
     profiled_run,
     spread,
+    timed_generate,
 )
 from shapes import PARAMS, write_shape
 
 # Arm suffixes (a mode "deterministic+pg+plaingc" takes both): the environment switch each sets for its arm.
-ARM_SWITCHES = {"pg": ("DEEPINFER_PREFILL_GRAPHS", "prefill CUDA graphs"),
+ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eager (no prefill CUDA graphs)"),
                 "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs")}
 
 
@@ -73,27 +76,65 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
+def make_llm(model_dir: Path, prompts, output_len: int, deterministic: bool, prefix_cache: bool,
+             quant: dict | None, step_tokens: int, kv_blocks: int | None = None):
+    """The engine of one deepinfer arm (call inside its `arm_env`), after a short first call."""
+    from deepinfer.engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
+              deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
+              max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
+              enable_prefix_caching=prefix_cache, num_kv_blocks=kv_blocks, **(quant or {}))
+    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
 def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
                     profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False,
                     quant: dict | None = None, step_tokens: int = 16384) -> dict:
-    from deepinfer.engine import LLM, SamplingParams
+    from deepinfer.engine import SamplingParams
 
     with arm_env(mode):
-        llm = LLM(model=str(model_dir), dtype="bfloat16", device="cuda", load_format="dummy",
-                  deterministic=deterministic, max_model_len=len(prompts[0]) + output_len + 16,
-                  max_num_seqs=len(prompts), max_num_batched_tokens=step_tokens, gpu_memory_utilization=0.85,
-                  enable_prefix_caching=prefix_cache, **(quant or {}))
+        llm = make_llm(model_dir, prompts, output_len, deterministic, prefix_cache, quant, step_tokens)
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         rec = StepRecorder(llm)
-        llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                     use_tqdm=False)
         seconds, first = measure_runs(llm, prompts, sp, rec, runs, out, mode)
-        n_out = sum(map(len, first))
-        result = {"seconds": spread(seconds), "output_tokens": n_out, "steps": rec.host_summary(),
-                  "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
+        result = _result(llm, rec, seconds, first)
         if profile_steps:
             result["profile"] = profiled_run(llm, prompts, sp, rec)
     return result  # the engine goes with this frame; main() then frees its GPU memory
+
+
+def bench_interleaved(model_dir: Path, prompts, output_len: int, modes: list[str], runs: int, out: JsonOut,
+                      prefix_cache: bool, quant: dict | None, step_tokens: int) -> dict[str, dict]:
+    """Every deepinfer arm's engine built first (each with a KV cache sized for this workload, so they fit
+    side by side), warmed up, then run i of every arm before run i + 1 of any: a slow stretch of the
+    shared host lands on all arms alike instead of on whichever arm was running."""
+    from deepinfer.engine import SamplingParams
+
+    blocks = len(prompts) * -(-(len(prompts[0]) + output_len + 16) // 16) + 64
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    arms = {}
+    for mode in modes:
+        with arm_env(mode):
+            llm = make_llm(model_dir, prompts, output_len, mode.startswith("deterministic"), prefix_cache,
+                           quant, step_tokens, kv_blocks=blocks)
+            rec = StepRecorder(llm)
+            timed_generate(llm, prompts, sp, rec)
+            rec.reset()
+            arms[mode] = (llm, rec, [], None)
+    for i in range(runs):
+        for mode, (llm, rec, seconds, first) in arms.items():
+            with arm_env(mode):
+                dt, toks = measured_run(llm, prompts, sp, rec, out, mode, i, first)
+            seconds.append(dt)
+            arms[mode] = (llm, rec, seconds, first or toks)
+    return {mode: _result(llm, rec, seconds, first) for mode, (llm, rec, seconds, first) in arms.items()}
+
+
+def _result(llm, rec: StepRecorder, seconds: list[float], first: list[list[int]]) -> dict:
+    return {"seconds": spread(seconds), "output_tokens": sum(map(len, first)), "steps": rec.host_summary(),
+            "tokens": [t[:8] for t in first[:4]], "stats": _stats(llm)}
 
 
 def _stats(llm) -> dict:
@@ -153,7 +194,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
-                    help="arms: deterministic, fast, hf; +pg (prefill graphs), +plaingc (default GC)")
+                    help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
@@ -168,6 +209,9 @@ def main() -> None:
                     help="deepinfer arms only: LLM(quantization=...), e.g. fp8, fp8-channel (HF stays bf16)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
                     help="deepinfer arms: tokens per engine step (prefill chunks + decodes)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="deepinfer arms side by side in memory, their runs taken in turn (run i of every "
+                         "arm before run i + 1): what a comparison of arms should use on a shared host")
     ap.add_argument("--kv-cache-dtype", default=None, help="deepinfer arms only: LLM(kv_cache_dtype=...)")
     args = ap.parse_args()
     quant = {k: v for k, v in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype))
@@ -190,15 +234,24 @@ def main() -> None:
     out = JsonOut(args.out)
     total_in = args.num_prompts * args.prompt_len
     ceiling = CEILING_FLOPS / (2 * PARAMS[args.shape])
+    modes = args.modes.split(",")
+    for mode in modes:
+        base, *suffixes = mode.split("+")
+        unknown = base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES for x in suffixes)
+        if mode != "hf" and unknown:
+            known = ", ".join(f"+{k} ({v[1]})" for k, v in ARM_SWITCHES.items())
+            raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
+    together = {}
+    if args.interleave:
+        together = bench_interleaved(model_dir, prompts, args.output_len, [m for m in modes if m != "hf"],
+                                     args.runs, out, args.prefix_cache, quant, args.max_num_batched_tokens)
     rows = {}
-    for mode in args.modes.split(","):
-        if mode == "hf":
+    for mode in modes:
+        if mode in together:
+            r = together[mode]
+        elif mode == "hf":
             r = bench_hf(model_dir, prompts, args.output_len, args.hf_batch, args.runs, out)
         else:
-            base, *suffixes = mode.split("+")
-            if base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES for x in suffixes):
-                known = ", ".join(f"+{k} ({v[1]})" for k, v in ARM_SWITCHES.items())
-                raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
             det = mode.startswith("deterministic")
             r = bench_deepinfer(model_dir, prompts, args.output_len, det, args.runs, args.profile_steps, out,
                                 mode, args.prefix_cache, quant, args.max_num_batched_tokens)

@@ -11,6 +11,7 @@ fraction per step. It only wraps an attribute, so the engine needs no hooks of i
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -66,19 +67,62 @@ def timed_generate(llm: Any, prompts: list, sp: Any, rec: StepRecorder) -> tuple
 def measure_runs(llm: Any, prompts: list, sp: Any, rec: StepRecorder, runs: int, out: JsonOut, arm: str
                  ) -> tuple[list[float], list[list[int]]]:
     """A full-size warm-up (every kernel and batch shape of the measured runs compiled once), then `runs`
-    timed runs, each written as a JSON line (seconds, output tokens, whether its tokens are run 0's).
-    Returns (the runs' seconds, run 0's token ids per prompt)."""
+    timed runs (`measured_run`). Returns (the runs' seconds, run 0's token ids per prompt)."""
     timed_generate(llm, prompts, sp, rec)
     rec.reset()
     seconds, first = [], None
     for i in range(runs):
-        dt, outs = timed_generate(llm, prompts, sp, rec)
-        toks = [o.token_ids for o in outs]
+        dt, toks = measured_run(llm, prompts, sp, rec, out, arm, i, first)
         seconds.append(dt)
         first = first or toks
-        out.line({"arm": arm, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
-                  "same_tokens_as_run0": toks == first})
     return seconds, first
+
+
+def measured_run(llm: Any, prompts: list, sp: Any, rec: StepRecorder, out: JsonOut, arm: str, i: int,
+                 first: list[list[int]] | None) -> tuple[float, list[list[int]]]:
+    """Timed run `i` of `arm`, written as a JSON line: seconds, output tokens, whether its tokens are
+    `first`'s, and where a slow run lost its time (its slowest steps, the time outside steps, the
+    collector's pauses). Returns (seconds, token ids per prompt)."""
+    done = len(rec.steps)
+    with GcWatch() as gcw:
+        dt, outs = timed_generate(llm, prompts, sp, rec)
+    toks = [o.token_ids for o in outs]
+    steps = rec.steps[done:]
+    slowest = sorted(range(len(steps)), key=lambda j: -steps[j][1])[:3]
+    out.line({"arm": arm, "run": i, "seconds": dt, "output_tokens": sum(map(len, toks)),
+              "same_tokens_as_run0": first is None or toks == first,
+              "slowest_steps": [(steps[j][0], j, round(1000 * steps[j][1], 2)) for j in slowest],
+              "outside_steps_ms": round(1000 * (dt - sum(t for _, t in steps)), 2), "gc": gcw.summary()})
+    return dt, toks
+
+
+class GcWatch:
+    """The cyclic collector's pauses (generation, ms) while the block runs (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], 1000 * (time.perf_counter() - self._t0)))
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        """Collections and their ms per generation, the total ms and the longest pause."""
+        by_gen = {g: [ms for gg, ms in self.pauses if gg == g] for g in (0, 1, 2)}
+        return {"count": {f"gen{g}": len(v) for g, v in by_gen.items()},
+                "ms": {f"gen{g}": round(sum(v), 2) for g, v in by_gen.items()},
+                "gc_ms": round(sum(ms for _, ms in self.pauses), 2),
+                "longest_ms": round(max((ms for _, ms in self.pauses), default=0.0), 2)}
 
 
 def profiled_run(llm: Any, prompts: list, sp: Any, rec: StepRecorder) -> dict[str, Any]:

@@ -13,45 +13,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import GcWatch
 
 
-class PauseLog:
-    """Collector pauses (generation, seconds) while `active`."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self.active = False
-        self._t0 = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if not self.active:
-            return
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
-
-
-def one_run(llm, prompts, params, log: PauseLog) -> dict:
-    log.pauses.clear()
-    log.active = True
+def one_run(llm, prompts, params) -> dict:
     t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    log.active = False
-    by_gen = {g: [s for gg, s in log.pauses if gg == g] for g in (0, 1, 2)}
-    return {"wall_s": wall, "gc_ms": 1e3 * sum(s for _, s in log.pauses),
-            "longest_ms": 1e3 * max((s for _, s in log.pauses), default=0.0),
-            "count": {f"gen{g}": len(v) for g, v in by_gen.items()},
-            "ms": {f"gen{g}": round(1e3 * sum(v), 2) for g, v in by_gen.items()}}
+    with GcWatch() as watch:
+        llm.generate(prompts, params, use_tqdm=False)
+    return {"wall_s": time.perf_counter() - t0, **watch.summary()}
 
 
 def main() -> None:
@@ -72,12 +47,11 @@ def main() -> None:
     llm = tiny_llm(d, args)
     shipped = engine_core.quiet_gc
     arms = {"quiet": shipped, "plain": contextlib.nullcontext}
-    log = PauseLog()
     results: dict[str, list[dict]] = {a: [] for a in arms}
     for i in range(args.runs + 1):   # round 0 warms both arms up
         for arm, scope in arms.items():
             engine_core.quiet_gc = scope
-            r = one_run(llm, prompts, params, log)
+            r = one_run(llm, prompts, params)
             if i:
                 results[arm].append(r)
                 print(json.dumps({"arm": arm, "run": i, **r}), flush=True)

@@ -44,7 +44,7 @@ MODELS = {   # model -> (decoder layers, {name -> (N, K, bias)})
 }
 SHAPE_NAMES = ("qkv", "o", "gate_up", "down", "lm_head")
 NARROW = ("qkv", "o", "down")
-# (block_m, block_n, num_warps, num_stages, persistent[, split_k[, tma]]); BLOCK_K is 64 in every bucket.
+# (block_m, block_n, num_warps, num_stages, persistent[, split_k[, tma[, serial_split]]]); BLOCK_K is 64.
 NARROW_CANDIDATES = (
     (64, 32, 4, 4, False), (64, 32, 4, 6, False), (64, 64, 4, 4, False), (64, 64, 4, 6, False),
     (64, 128, 4, 4, False), (64, 128, 4, 5, False), (128, 32, 4, 4, False), (128, 64, 4, 4, False),
@@ -93,17 +93,22 @@ def _tma(spec: tuple) -> bool:
     return bool(spec[6]) if len(spec) > 6 else False
 
 
+def _serial(spec: tuple) -> bool:
+    return bool(spec[7]) if len(spec) > 7 else False
+
+
 def _cfg(spec: tuple):
     from deepinfer.kernels.matmul import MatmulConfig
 
     bm, bn, w, s, p = spec[:5]
     return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=w, num_stages=s, persistent=p,
-                        split_k=_split(spec), tma=_tma(spec))
+                        split_k=_split(spec), tma=_tma(spec), serial_split=_serial(spec))
 
 
 def _name(spec: tuple) -> str:
     bm, bn, w, s, p = spec[:5]
-    tail = (f" split{_split(spec)}" if _split(spec) > 1 else "") + (" tma" if _tma(spec) else "")
+    tail = (f" split{_split(spec)}" if _split(spec) > 1 else "") + (" serial" if _serial(spec) else "")
+    tail += " tma" if _tma(spec) else ""
     return f"{bm}x{bn}x64 w{w} s{s} {'persistent' if p else 'grid'}{tail}"
 
 

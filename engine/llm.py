@@ -12,6 +12,7 @@ import torch
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.core.finish import FinishRules
+from deepinfer.engine.core.gc_scope import quiet_gc
 from deepinfer.engine.core.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache_for,
@@ -96,8 +97,9 @@ class LLM:
         tensor_parallel_size: int = 1,
     ) -> None:
         """enable_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; off with
-        DEEPINFER_DISABLE_CUDA_GRAPHS=1; prefill steps too with DEEPINFER_PREFILL_GRAPHS=1, experimental,
-        runner/prefill_graphs.py); cuda_graph_capture: "startup" (every batch-size bucket before the
+        DEEPINFER_DISABLE_CUDA_GRAPHS=1; prefill and mixed steps of the dense decoders too, unless
+        DEEPINFER_DISABLE_PREFILL_GRAPHS=1, runner/prefill_graphs.py); cuda_graph_capture: "startup" (every
+        batch-size bucket before the
         first step) or "lazy" (each bucket on its first use), None reads DEEPINFER_CUDA_GRAPH_CAPTURE
         (default "startup"); the same bits either way. async_scheduling: overlap host work with the device
         step (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic
@@ -237,8 +239,8 @@ class LLM:
                 f"(shorten the prompt or raise max_model_len)"
             )
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})")
         self._structured.validate(params)  # compiles a constrained request's grammar; no-op otherwise
         seed = params.seed
@@ -278,7 +280,7 @@ class LLM:
             if isinstance(p, str):
                 texts.append(p)
                 raw.append(p)
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            elif isinstance(p, (list, tuple)) and all(issubclass(t, int) for t in set(map(type, p))):
                 texts.append(None)
                 raw.append(list(p))
             else:
@@ -315,9 +317,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        texts, token_lists = self._prompt_items(prompts)
-        groups = [self._make_seqs(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, params_list))]
-        return self._run(groups, texts, use_tqdm)
+        # The collector kept quiet from here, not only in the engine's run: building 256 requests allocates
+        # enough to set off a full collection (133 ms measured on the H200 host) before the first step.
+        with quiet_gc():
+            texts, token_lists = self._prompt_items(prompts)
+            pairs = enumerate(zip(token_lists, params_list))
+            groups = [self._make_seqs(i, ids, sp) for i, (ids, sp) in pairs]
+            return self._run(groups, texts, use_tqdm)
 
     def chat(
         self,

@@ -1,6 +1,7 @@
-"""What the GEMM kernels share: the fp32 `tl.dot` chain over K (kernels/matmul.py's unsplit and split-K
-kernels, kernels/mla_proj.py's per-head projection) and the grouped tile order (matmul.py's kernels and
-the TMA one in kernels/matmul_tma.py; it only decides which program computes a tile, never its bits).
+"""What the GEMM kernels share: the fp32 `tl.dot` chain over K (kernels/matmul.py's unsplit kernel,
+kernels/matmul_split.py's split-K one, kernels/mla_proj.py's per-head projection), a split-K range's
+partial store and the grouped tile order (matmul.py's kernels and the TMA ones in kernels/matmul_tma.py; it
+only decides which program computes a tile, never its bits).
 
 Triton inlines a jit helper into its caller, so a kernel that calls it compiles to the code it had with the
 loop written out in its body (the sm_90 PTX of every caller was compared before and after: the same
@@ -36,6 +37,15 @@ def k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_w
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     return acc
+
+
+@triton.jit
+def store_partial(acc, part_ptr, split, offs_m, offs_n, M, N):
+    """One range's fp32 chain of a fixed-order split-K into part[split] (part: [splits, M, N] float32,
+    contiguous), the rows and columns inside [M, N] only: what the parallel forms' reduce sums."""
+    base = part_ptr + split.to(tl.int64) * M.to(tl.int64) * N
+    ptrs = base + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit

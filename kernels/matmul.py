@@ -36,7 +36,8 @@ import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue
-from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
+from deepinfer.kernels.matmul_split import split_launch
+from deepinfer.kernels.matmul_tma import split_ranges, tma_launch, tma_usable
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,14 @@ class MatmulConfig:
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = True     # grid of min(#SMs, #tiles) programs looping over tiles; else one per tile
-    # K split into this many contiguous ranges of k-tiles, each a program's fp32 chain, the partials summed
-    # in split order by a second kernel: a fixed order (never M-dependent), but other bits than split_k=1,
-    # so every M bucket of a weight must use the same split_k (like BLOCK_K). `persistent` is ignored.
+    # K split into this many contiguous ranges of k-tiles, each an fp32 chain from zero, summed in range
+    # order (kernels/matmul_split.py): a fixed order (never M-dependent), but other bits than split_k=1, so
+    # every M bucket of a weight must use the same split_k (like BLOCK_K). Parallel form: a program per
+    # (tile, range), fp32 partials, a second kernel sums them (`persistent` is ignored).
     split_k: int = 1
+    # With split_k > 1: the serial form instead, the ranges one after another in the tile's program and
+    # their sum kept in registers (no partials in memory; the same bits as the parallel form).
+    serial_split: bool = False
     # Tiles fetched by TMA descriptors (kernels/matmul_tma.py) where the device and strides allow, else by
     # pointer loads: the same dot chain, so the same bits (proven per shape like a tile change).
     tma: bool = False
@@ -67,6 +72,8 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.group_m={self.group_m}: must be >= 1")
         if not 1 <= self.split_k <= 64:
             raise ValueError(f"MatmulConfig.split_k={self.split_k}: must be in 1..64")
+        if self.serial_split and self.split_k == 1:
+            raise ValueError("MatmulConfig.serial_split=True needs split_k > 1 (nothing to serialize)")
 
 
 # float32 weights at most this wide with K at least this long take a fixed split-K (matmul_config).
@@ -96,11 +103,12 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True)
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False) -> MatmulConfig:
+def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False, split: int = 1,
+         serial: bool = False) -> MatmulConfig:
     # Every tuned config loads its tiles by TMA where the operands allow (Hopper+): same bits, and faster
     # on every 8B layer shape at M = 128, 256 and 8192 in the 02:00 UTC sweep of 2026-12-02.
     return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
-                        persistent=persistent, tma=True)
+                        persistent=persistent, tma=True, split_k=split, serial_split=serial)
 
 
 # Buckets tuned for exact weight shapes (N, K) whose best tiles differ from the shape-class rule in
@@ -118,7 +126,13 @@ _TUNED: dict[tuple[int, int], tuple[tuple[int | None, MatmulConfig], ...]] = {
     (896, 896): ((256, _cfg(64, 32, 4, 6)), (None, _cfg(128, 256, 8, 3, True))),
     (9728, 896): ((64, _cfg(64, 128, 4, 4)), (128, _cfg(128, 128, 8, 4, True)),
                   (None, _cfg(128, 256, 8, 4, True))),
-    (896, 4864): ((256, _cfg(64, 32, 4, 6)), (None, _cfg(128, 256, 8, 3, True))),
+    # The down projection's K = 4,864 over N = 896: a decode step has too few output tiles to fill the SMs,
+    # so K is split in 4 fixed ranges at every M (kernels/matmul_split.py): the parallel form up to 256 rows,
+    # the serial one beyond (the same bits). benchmarks/split_k_sweep.py, 2026-12-03 15:50 UTC, us per call
+    # at M = 64 / 256 / 16,384: 14.8 / 15.2 / 211.1 unsplit -> 8.3 / 9.8 / 233.0 (cuBLAS 8.5 / 10.2 / 196.8):
+    # -0.13 ms per 256-row decode step, +0.53 ms per 16k-token prefill step.
+    (896, 4864): ((64, _cfg(64, 32, 4, 6, split=4)), (256, _cfg(64, 64, 4, 6, split=4)),
+                  (None, _cfg(128, 128, 8, 4, True, split=4, serial=True))),
     (151936, 896): ((64, _cfg(64, 128, 4, 4)), (None, _cfg(128, 256, 8, 4, True))),
 }
 
@@ -198,8 +212,10 @@ def _bi_linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWIGLU: tl.constexpr = 0,
+    SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0,
 ):
+    # SPLITS > 1: the serial form of a fixed-order split-K (kernels/matmul_split.py): ranges of K_PER_SPLIT
+    # k-tiles, each a chain from zero, summed in range order as they finish.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -216,81 +232,21 @@ def _bi_linear_kernel(
         cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
         w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, 0, k_tiles, stride_xk, stride_wk, EVEN_K, IEEE, BLOCK_K)
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SPLITS == 1:
+            acc = k_chain(zero, x_ptrs, w_ptrs, offs_k, K, 0, k_tiles, stride_xk, stride_wk, EVEN_K, IEEE,
+                          BLOCK_K)
+        else:
+            acc = k_chain(zero, x_ptrs, w_ptrs, offs_k, K, 0, tl.minimum(K_PER_SPLIT, k_tiles), stride_xk,
+                          stride_wk, EVEN_K, IEEE, BLOCK_K)
+            for s in tl.static_range(1, SPLITS):
+                k_first = s * K_PER_SPLIT
+                step = k_first * BLOCK_K
+                acc += k_chain(zero, x_ptrs + step * stride_xk, w_ptrs + step * stride_wk, offs_k, K, k_first,
+                               tl.minimum(k_first + K_PER_SPLIT, k_tiles), stride_xk, stride_wk, EVEN_K, IEEE,
+                               BLOCK_K)
         linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWIGLU,
                         BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _bi_linear_split_kernel(
-    x_ptr, w_ptr, part_ptr,
-    M, N, K, K_TILES_PER_SPLIT,
-    stride_xm, stride_xk, stride_wn, stride_wk,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    # Program (tile, split): the fp32 chain of the split's k-tiles, in increasing order, into part[split].
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    offs_m, offs_n = _grouped_offsets(tile, num_pid_m, GROUP_M * num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)    # as in _bi_linear_kernel: never stored
-    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    k_first = split * K_TILES_PER_SPLIT
-    k_last = tl.minimum(k_first + K_TILES_PER_SPLIT, k_tiles)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_first * BLOCK_K + offs_k[None, :]) * stride_xk
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_first * BLOCK_K + offs_k[:, None]) * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The same chain as _bi_linear_kernel's (one helper), over this split's k-tiles.
-    acc = k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_wk, EVEN_K, IEEE,
-                  BLOCK_K)
-    part = part_ptr + split.to(tl.int64) * M.to(tl.int64) * N
-    ptrs = part + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, stride_on,
-                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    # out = ((part[0] + part[1]) + part[2]) + ... (+ bias): the same order for every element and every M.
-    total = M.to(tl.int64) * N
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
-    m = offs // N
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def _split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  cfg: MatmulConfig) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(k_tiles, cfg.split_k)    # a function of K and the config only
-    part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    _bi_linear_split_kernel[(tiles, cfg.split_k)](
-        x, weight, part, m, n, k, per_split,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    block = 1024
-    _split_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
-        SPLITS=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-    )
-    return out
 
 
 def bi_linear(
@@ -333,11 +289,12 @@ def bi_linear(
         plain = plain.zero_() if bias is None else plain.copy_(bias.expand(m, n))
         return _swiglu_after(plain) if swiglu else plain
     cfg = config if config is not None else _choose(x, weight, bias, planner)
-    if swiglu and cfg.split_k > 1:
-        # No SWIGLU form of the split-K path: its plain result, then the same activation on its pairs.
-        return _swiglu_after(bi_linear(x, weight, bias, config=cfg))
-    if cfg.split_k > 1:
-        return _split_launch(x, weight, bias, out, cfg)
+    if cfg.split_k > 1 and not cfg.serial_split:
+        if swiglu:
+            # No SWIGLU form of the parallel split: its plain result, then the same activation on its pairs.
+            return _swiglu_after(bi_linear(x, weight, bias, config=cfg))
+        return split_launch(x, weight, bias, out, cfg)
+    splits = cfg.split_k
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if not cfg.persistent:
         programs = num_tiles
@@ -348,14 +305,16 @@ def bi_linear(
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
     if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                          cfg.num_warps, cfg.num_stages, programs, swiglu)
+                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SWIGLU=int(swiglu), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWIGLU=int(swiglu), SPLITS=splits,
+        K_PER_SPLIT=split_ranges(k, cfg.block_k, splits) if splits > 1 else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -1,7 +1,13 @@
 """CUDA graphs of the model's forward for prefill and mixed steps, one per token bucket, captured lazily.
 
-Opt-in ($DEEPINFER_PREFILL_GRAPHS=1) until measured on a GPU: the bits are argued (runner/prefill_inputs.py)
-and tested on CPU through stand-in replays and under Triton's interpreter, the capture itself is not yet run.
+On by default for the dense decoders on CUDA ($DEEPINFER_DISABLE_PREFILL_GRAPHS=1 turns them off). The
+bits are argued (runner/prefill_inputs.py) and tested on CPU through stand-in replays and under Triton's
+interpreter, and on the H200 (tokens and logprobs equal with and without them). What they buy is a prefill
+step whose time no longer depends on how fast the host launches ~250 kernels: on a shared host whose speed
+drifts, the 0.5B shape's prefill steps took 28-48 ms eagerly and 28-30 ms as graphs (benchmarks/RESULTS.md,
+2026-12-03 16:05). They cost device memory (one activation set per captured bucket: 0.6-1.0 GB on the 0.5B
+shape, 2.2-3.3 GB on the 8B, at 16k-token steps) and a capture per bucket on its first use.
+
 A step fits when it is not a decode step (those take the decode graphs), its tokens fit the largest bucket
 and no request in it wants prompt logprobs (those need every position's hidden state). Each bucket is
 captured the first time a step needs it, on that step's staged inputs: the warm-up writes the step's K/V
@@ -37,7 +43,7 @@ from deepinfer.engine.sample.metadata import index_tensor
 
 logger = logging.getLogger("deepinfer.engine")
 
-PREFILL_GRAPHS_ENV = "DEEPINFER_PREFILL_GRAPHS"
+DISABLE_PREFILL_GRAPHS_ENV = "DEEPINFER_DISABLE_PREFILL_GRAPHS"
 
 
 class PrefillGraphs:
@@ -136,11 +142,11 @@ def prefill_block_q(model: torch.nn.Module, kv_caches: list) -> int:
 def make_prefill_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
                         max_num_seqs: int, max_num_batched_tokens: int, device: torch.device,
                         enable: bool) -> PrefillGraphs | None:
-    """Prefill graphs when enabled, asked for ($DEEPINFER_PREFILL_GRAPHS=1) and supported: the dense
-    decoder family on CUDA (DeepSeek's MLA plans its prefill on the host); else None."""
+    """Prefill graphs when enabled, not switched off ($DEEPINFER_DISABLE_PREFILL_GRAPHS=1) and supported:
+    the dense decoder family on CUDA (DeepSeek's MLA plans its prefill on the host); else None."""
     from deepinfer.engine.models.decoder import CausalLM
 
-    if not enable or not env_flag(PREFILL_GRAPHS_ENV) or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS"):
+    if not enable or env_flag(DISABLE_PREFILL_GRAPHS_ENV) or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS"):
         return None
     if not graphs_supported(model, device) or type(model) is not CausalLM:
         return None

@@ -22,7 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from bisect import bisect_right
 from collections.abc import Sequence as SequenceABC
+from functools import partial
+from itertools import chain
 from typing import Any
 
 import torch
@@ -109,6 +112,17 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # Seed derivation.
 
+_POWERS_OF_TEN = [10**k for k in range(1, 19)]
+_digits_less_one = partial(bisect_right, _POWERS_OF_TEN)      # non-negative ints below 10**18
+_INT_TAGS = [f"i{k}:" for k in range(1, 20)]                   # `_encode`'s tag of an int of k digits
+
+
+def _token_ids(part: Any) -> bool:
+    """A non-empty list or tuple of plain ints in [0, 10**18): `_encode`'s one-pass case."""
+    return (isinstance(part, (list, tuple)) and len(part) > 0 and set(map(type, part)) == {int}
+            and min(part) >= 0 and max(part) < _POWERS_OF_TEN[-1])
+
+
 def _encode(part: Any, out: list[bytes]) -> None:
     """Type-tagged, length-prefixed encoding: distinct part tuples never encode to the same bytes."""
     if isinstance(part, bool) or part is None:
@@ -127,6 +141,12 @@ def _encode(part: Any, out: list[bytes]) -> None:
         out.append(b"b%d:" % len(data) + data)
     elif isinstance(part, SequenceABC):
         out.append(b"l%d:" % len(part))
+        if _token_ids(part):
+            # A prompt's token ids (131k per generate call of 256 x 512 tokens): the bytes the loop below
+            # writes, in one formatting pass at C speed (each id's tag from its digit count).
+            tags = map(_INT_TAGS.__getitem__, map(_digits_less_one, part))
+            out.append((("%s%d" * len(part)) % tuple(chain.from_iterable(zip(tags, part)))).encode())
+            return
         for item in part:
             _encode(item, out)
     else:

@@ -86,3 +86,20 @@ def test_engine_runs_with_the_heap_frozen(model_dir, overlap):
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     assert seen and min(seen) > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_requests_are_built_with_the_heap_frozen_too(model_dir):
+    """generate's request building (seeds, sequences) allocates as much as a run's first steps: it runs
+    inside the same quiet scope, and the engine's own scope nests inside it without unfreezing early."""
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    seen: list[int] = []
+    make = llm._make_seqs
+
+    def recording(*a, **k):
+        seen.append(gc.get_freeze_count())
+        return make(*a, **k)
+
+    llm._make_seqs = recording
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(seen) == 2 and min(seen) > 0
+    assert gc.get_freeze_count() == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer.engine import LLM, SamplingParams
+from deepinfer.engine.runner import prefill_graphs
 from deepinfer.engine.runner.cuda_graphs import is_decode_step
 from deepinfer.engine.runner.prefill_graphs import PrefillGraphs, make_prefill_graphs
 
@@ -94,10 +95,17 @@ def test_padded_prefill_step_matches_the_eager_rows_and_padding_writes_no_slot(m
     engine.abort_all()
 
 
-def test_prefill_graphs_are_opt_in_and_cuda_only(model_dir, monkeypatch):
+def test_prefill_graphs_are_cuda_only_and_can_be_switched_off(model_dir, monkeypatch):
     llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
     r = llm.engine.runner
     args = (r.model, r.kv_caches, r.block_size, 64, 4, 64)
-    monkeypatch.setenv("DEEPINFER_PREFILL_GRAPHS", "1")
     assert make_prefill_graphs(*args, torch.device("cpu"), True) is None   # CPU: never
     assert llm.get_stats()["prefill_graphs_enabled"] is False
+    # Where graphs are supported they are on unless switched off (or graphs are off altogether).
+    monkeypatch.setattr(prefill_graphs, "graphs_supported", lambda model, device: True)
+    assert isinstance(make_prefill_graphs(*args, torch.device("cpu"), True), PrefillGraphs)
+    assert make_prefill_graphs(*args, torch.device("cpu"), False) is None
+    for switch in ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "DEEPINFER_DISABLE_CUDA_GRAPHS"):
+        monkeypatch.setenv(switch, "1")
+        assert make_prefill_graphs(*args, torch.device("cpu"), True) is None, switch
+        monkeypatch.delenv(switch)

@@ -89,6 +89,23 @@ def test_derive_seed_is_pinned(parts, expected):
     assert derive_seed(*parts) == expected
 
 
+@pytest.mark.parametrize("ids", [
+    [0], [9, 10, 99, 100, 999_999, 10**17, 10**18 - 1], list(range(0, 200_000, 7)), (1, 2, 3),
+    [], [5, -3, 151935], [2**70, 1], [1, True, 2], [1, 2.0], [[1, 2], 3],   # the item-by-item path
+])
+def test_token_id_lists_encode_to_the_item_by_item_bytes(ids):
+    """The one-pass encoding of a list of plain ints (a prompt's token ids) writes exactly the bytes of
+    encoding item by item, so request seeds did not change with it."""
+    from deepinfer.engine.sample import rng
+
+    fast: list[bytes] = []
+    rng._encode(ids, fast)
+    slow = [b"l%d:" % len(ids)]
+    for item in ids:
+        rng._encode(item, slow)
+    assert b"".join(fast) == b"".join(slow)
+
+
 @pytest.mark.parametrize("a,b", [
     ((1,), ("1",)),
     (("1",), (b"1",)),

@@ -1,9 +1,11 @@
-"""The fixed-order split-K path of the batch-invariant GEMM (MatmulConfig.split_k > 1, kernels/matmul.py) on
-CPU under Triton's interpreter (started by test_bi_linear_split_cpu.py), tiny float32/fp16 shapes.
+"""The fixed-order split-K of the batch-invariant GEMM (MatmulConfig.split_k > 1, kernels/matmul_split.py)
+on CPU under Triton's interpreter (started by test_bi_linear_split_cpu.py), tiny float32/fp16 shapes.
 
-Checks: agreement with the float64 reference (K tails, bias, more splits than k-tiles), and that the result
-is exactly ((p0 + p1) + p2) + bias where p_s is the single-chain kernel over split s's range of k-tiles:
-the partials are the same fp32 chains and the sum has one fixed order, whatever M is.
+Checks: agreement with the float64 reference (K tails, bias, more splits than k-tiles); the result is
+exactly ((p0 + p1) + p2) + bias where p_s is the single-chain kernel over split s's range of k-tiles (the
+partials are the same fp32 chains and the sum has one fixed order, whatever M is); and the serial form
+(MatmulConfig.serial_split: the ranges one after another in a tile's program) and the TMA kernels of both
+forms give the parallel pointer form's bits, so M buckets may mix them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ skip_unless_interpreting("tests/kernels/test_bi_linear_split_cpu.py")
 
 @pytest.fixture(scope="module")
 def mm():
-    return interpreted_kernels("matmul", "_bi_linear_split_kernel")
+    interpreted_kernels("matmul_split")
+    interpreted_kernels("matmul_tma")
+    return interpreted_kernels("matmul")
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):
@@ -79,3 +83,56 @@ def test_float32_routers_take_a_split_from_k_alone_and_match_the_reference(mm, n
     x = _rand(3, k, seed=7)
     w = _rand(n, k, seed=8) / k**0.5
     torch.testing.assert_close(mm.bi_linear(x, w), bi_linear_ref(x, w), atol=1e-5, rtol=1e-5)
+
+
+SERIAL_CASES = [   # (m, n, k, split, block_k, bias, persistent, dtype)
+    (21, 48, 160, 3, 32, True, False, torch.float32),     # 5 k-tiles: ranges of 2, 2, 1
+    (37, 80, 80, 2, 32, False, True, torch.float32),      # K tail in the last range; 3 programs, 15 tiles
+    (9, 32, 64, 5, 32, True, False, torch.float32),       # more ranges than k-tiles: empty ranges add zeros
+    (19, 64, 224, 4, 32, True, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("m,n,k,split,bk,bias,persistent,dtype", SERIAL_CASES)
+def test_serial_and_tma_split_forms_give_the_parallel_forms_bits(mm, m, n, k, split, bk, bias, persistent,
+                                                                 dtype):
+    from dataclasses import replace
+
+    tma = __import__("deepinfer.kernels.matmul_tma", fromlist=["x"])
+    x = _rand(m, k, dtype=dtype, seed=11)
+    w = (_rand(n, k, seed=12) / k**0.5).to(dtype)
+    b = _rand(n, dtype=dtype, seed=13) if bias else None
+    parallel = mm.MatmulConfig(block_m=16, block_n=16, block_k=bk, group_m=2, num_warps=4, num_stages=2,
+                               split_k=split)
+    want = mm.bi_linear(x, w, b, config=parallel)
+    serial = replace(parallel, serial_split=True, persistent=persistent)
+    assert torch.equal(mm.bi_linear(x, w, b, config=serial), want)
+    # Launched directly: on CPU bi_linear never takes TMA loads (tma_usable needs a CUDA device).
+    tiles = -(-m // 16) * -(-n // 16)
+    programs = min(tiles, 3) if persistent else tiles
+    got = tma.tma_launch(x, w, b, torch.empty(m, n, dtype=dtype), 16, 16, bk, 2, 4, 2, programs, splits=split)
+    assert torch.equal(got, want)
+    part = tma.tma_split_partials(x, w, torch.empty(split, m, n), 16, 16, bk, 2, 4, 2)
+    summed = part[0].clone()
+    for s in range(1, split):
+        summed += part[s]
+    assert torch.equal((summed if b is None else summed + b.float()).to(dtype), want)
+
+
+def test_serial_split_has_a_swiglu_epilogue_with_the_activations_bits(mm):
+    from dataclasses import replace
+
+    from deepinfer.kernels.activation import silu_and_mul
+    from deepinfer.kernels.reference.activation import pairs_to_halves
+
+    m, i, k = 13, 32, 160
+    x, w = _rand(m, k, seed=14), _rand(2 * i, k, seed=15) / k**0.5
+    cfg = mm.MatmulConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, split_k=3,
+                          serial_split=True)
+    want = silu_and_mul(pairs_to_halves(mm.bi_linear(x, w, config=replace(cfg, serial_split=False))))
+    assert torch.equal(mm.bi_linear(x, w, config=cfg, swiglu=True), want)
+
+
+def test_serial_split_without_a_split_is_refused(mm):
+    with pytest.raises(ValueError, match="serial_split"):
+        mm.MatmulConfig(block_m=16, block_n=16, block_k=16, serial_split=True)

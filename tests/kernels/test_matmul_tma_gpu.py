@@ -100,3 +100,34 @@ def test_swiglu_epilogue_equals_gemm_then_silu_and_mul(mm, m, n, k):
     want = silu_and_mul(mm.bi_linear(x, w, planner=planner))
     got = mm.bi_linear(x, interleave_halves(w), planner=planner, swiglu=True)
     assert torch.equal(got, want)
+
+
+SPLIT_FORMS = [   # (block_m, block_n, warps, stages, persistent, serial, tma): one split count, many forms
+    (64, 64, 4, 4, False, False, False),     # the reference: parallel form, pointer loads
+    (64, 32, 4, 6, False, False, True),      # parallel, TMA (decode-sized M)
+    (128, 64, 4, 4, False, False, True),
+    (128, 128, 8, 4, True, True, True),      # serial, TMA, persistent (prefill-sized M)
+    (128, 256, 8, 3, True, True, True),
+    (64, 64, 4, 4, False, True, False),      # serial, pointer loads
+]
+
+
+@pytest.mark.parametrize("n,k,split", [(896, 4864, 4), (4096, 14336, 2), (4096, 4096, 2), (1000, 200, 3)])
+def test_split_k_forms_and_loaders_give_the_same_bits_at_every_m(mm, n, k, split):
+    """Every form of one fixed-order split-K (parallel or serial, TMA or pointer loads, any tile) gives the
+    same bits, row by row, at decode- and prefill-sized M: what lets M buckets mix them."""
+    x_all, w = _randn(4096, k, seed=8), _randn(n, k, seed=9, scale=k ** -0.5)
+    b = _randn(n, seed=10) if n == 1000 else None
+    ref = None
+    for bm, bn, warps, stages, persistent, serial, tma in SPLIT_FORMS:
+        cfg = mm.MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
+                              persistent=persistent, split_k=split, serial_split=serial, tma=tma)
+        full = mm.bi_linear(x_all, w, b, config=cfg)
+        ref = full if ref is None else ref
+        assert torch.equal(full, ref), cfg
+        for rows in (1, 7, 256):
+            part = mm.bi_linear(x_all[5:5 + rows].clone(), w, b, config=cfg)
+            assert torch.equal(part, ref[5:5 + rows]), cfg
+    torch.testing.assert_close(ref.float(), bi_linear_ref(x_all.float(), w.float(),
+                                                          None if b is None else b.float()),
+                               atol=2e-2, rtol=2e-2)
