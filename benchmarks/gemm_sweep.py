@@ -18,6 +18,10 @@ and the same figures for today's choice (`MatmulPlanner` at that M) and cuBLAS (
 The summary adds, per shape, the fastest candidate that passes both checks, and the decode step's GEMM time
 (24 layers x 4 GEMMs + the lm head) for today's configs, the best candidates and cuBLAS.
 
+A weight shape whose table takes a split-K (the 0.5B down projection, split 4) has other bits than any
+single chain: only candidates of that split (`--split-k`) can match its planner; benchmarks/split_k_sweep.py
+is the sweep of split counts and their two forms.
+
 Compiles are the slow part: `--jobs N` warms Triton's on-disk cache in N spawned processes first.
 """
 

@@ -8,6 +8,10 @@ buckets, as it does for tile shapes; benchmarks/gemm_sweep.py checks it for ever
 columns beyond the tensor are zero-filled by the TMA unit; their results are never stored, and a valid row
 only ever meets its own data in the dot, as in the pointer kernel.
 
+The fixed-order split-K of kernels/matmul_split.py has both forms here too: the serial one in the main
+kernel (SPLITS ranges one after another, their chains summed in range order) and the parallel one's
+partials (`tma_split_partials`), each range the same `tma_k_chain` from zero.
+
 TMA needs a 16-byte aligned base, unit inner stride and 16-byte aligned row strides (`tma_usable`);
 callers fall back to the pointer kernel otherwise.
 """
