@@ -99,11 +99,10 @@ class LLM:
         """enable_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; off with
         DEEPINFER_DISABLE_CUDA_GRAPHS=1; prefill and mixed steps of the dense decoders too, unless
         DEEPINFER_DISABLE_PREFILL_GRAPHS=1, runner/prefill_graphs.py); cuda_graph_capture: "startup" (every
-        batch-size bucket before the
-        first step) or "lazy" (each bucket on its first use), None reads DEEPINFER_CUDA_GRAPH_CAPTURE
-        (default "startup"); the same bits either way. async_scheduling: overlap host work with the device
-        step (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an output in deterministic
-        mode.
+        batch-size bucket before the first step) or "lazy" (each bucket on its first use), None reads
+        DEEPINFER_CUDA_GRAPH_CAPTURE (default "startup"); the same bits either way. async_scheduling: overlap
+        host work with the device step (core/overlap.py; off with DEEPINFER_SYNC_LOOP=1). Neither changes an
+        output in deterministic mode.
         quantization: None (model dtype; FP8 checkpoints dequantized), "auto" (FP8 GEMMs for an FP8
         checkpoint on CUDA), "fp8" (also quantizes a bf16 checkpoint at load, 128x128 blocks) or
         "fp8-channel" (quantizes at load per output channel: the rowwise FP8 GEMM); see models/quant/.

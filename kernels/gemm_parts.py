@@ -1,5 +1,5 @@
 """What the GEMM kernels share: the fp32 `tl.dot` chain over K (kernels/matmul.py's unsplit kernel,
-kernels/matmul_split.py's split-K one, kernels/mla_proj.py's per-head projection), a split-K range's
+kernels/matmul_split.py's split-K one, kernels/mla_proj.py's per-head projection), a split-K's ranges and
 partial store and the grouped tile order (matmul.py's kernels and the TMA ones in kernels/matmul_tma.py; it
 only decides which program computes a tile, never its bits).
 
@@ -37,6 +37,13 @@ def k_chain(acc, x_ptrs, w_ptrs, offs_k, K, k_first, k_last, stride_xk, stride_w
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     return acc
+
+
+def split_ranges(k: int, block_k: int, splits: int) -> int:
+    """k-tiles per range of a fixed-order split-K: a function of K, BLOCK_K and the split count only (never
+    M), the last range taking what is left (possibly nothing); 0 for an unsplit chain (splits == 1, which
+    the kernels never read)."""
+    return triton.cdiv(triton.cdiv(k, block_k), splits) if splits > 1 else 0
 
 
 @triton.jit

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue, split_ranges
 from deepinfer.kernels.matmul_split import split_launch
-from deepinfer.kernels.matmul_tma import split_ranges, tma_launch, tma_usable
+from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
 
 @dataclass(frozen=True)
@@ -312,8 +312,7 @@ def bi_linear(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SWIGLU=int(swiglu), SPLITS=splits,
-        K_PER_SPLIT=split_ranges(k, cfg.block_k, splits) if splits > 1 else 0,
+        SWIGLU=int(swiglu), SPLITS=splits, K_PER_SPLIT=split_ranges(k, cfg.block_k, splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

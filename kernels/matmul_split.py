@@ -1,7 +1,7 @@
 """The parallel form of the batch-invariant GEMM's fixed-order split-K (MatmulConfig.split_k > 1).
 
 K is cut into `split_k` contiguous ranges of k-tiles whose size depends on K, BLOCK_K and the split count
-only (matmul_tma.split_ranges), never on M. Each range is one fp32 `tl.dot` chain from zero, in increasing
+only (gemm_parts.split_ranges), never on M. Each range is one fp32 `tl.dot` chain from zero, in increasing
 k order; the result is ((p0 + p1) + p2) ... (+ bias), rounded once. Here program (tile, range) stores its
 chain into fp32 partials and a second kernel sums them in range order: more programs for a decode-sized M
 whose output has few tiles (the down projection's long K, a router's narrow N). The serial form (the ranges
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, store_partial
-from deepinfer.kernels.matmul_tma import split_ranges, tma_split_partials, tma_usable
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges, store_partial
+from deepinfer.kernels.matmul_tma import tma_split_partials, tma_usable
 
 if TYPE_CHECKING:
     from deepinfer.kernels.matmul import MatmulConfig

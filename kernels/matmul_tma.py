@@ -23,7 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, linear_epilogue, store_partial
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, linear_epilogue, split_ranges, store_partial
 
 
 @functools.cache
@@ -138,7 +138,7 @@ def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         m, n, k, out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWIGLU=int(swiglu),
-        SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits) if splits > 1 else 0,
+        SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -159,8 +159,3 @@ def tma_split_partials(x: torch.Tensor, weight: torch.Tensor, part: torch.Tensor
     )
     return part
 
-
-def split_ranges(k: int, block_k: int, splits: int) -> int:
-    """k-tiles per range of a fixed-order split-K: a function of K, BLOCK_K and the split count only (never
-    M), the last range taking what is left (possibly nothing)."""
-    return triton.cdiv(triton.cdiv(k, block_k), splits)

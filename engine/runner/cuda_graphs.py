@@ -42,7 +42,7 @@ from deepinfer.engine.runner.input_buffers import (
     graph_metadata,
     pick_bucket,
 )
-from deepinfer.engine.sample.metadata import index_tensor
+from deepinfer.engine.runner.step_executor import copy_pending
 from deepinfer.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("deepinfer.engine")
@@ -197,10 +197,7 @@ class DecodeGraphs:
                 # Steady decoding: row i reads row i of the previous step, one device copy, no index tensors.
                 self.buffers.input_ids[:n].copy_(prev_ids)
                 return b
-            dst, src = zip(*pending_rows)
-            dst_t = index_tensor(dst, self.device)
-            src_t = index_tensor(src, self.device)
-            self.buffers.input_ids.index_copy_(0, dst_t, prev_ids.index_select(0, src_t))
+            copy_pending(self.buffers.input_ids, pending_rows, prev_ids)
         return b
 
     def run(self, out: SchedulerOutput, pending_rows: list[tuple[int, int]] | None,

@@ -26,10 +26,14 @@ class HostStep:
         return int(self.positions.shape[0])
 
     def query_start_loc(self) -> np.ndarray:
-        """int32 [B + 1]: the new tokens of sequence b are [qsl[b], qsl[b + 1])."""
-        qsl = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
-        np.cumsum(self.query_lens, out=qsl[1:])
-        return qsl
+        return query_start_loc(self.query_lens)
+
+
+def query_start_loc(query_lens: list[int]) -> np.ndarray:
+    """int32 [B + 1]: the new tokens of sequence b are [qsl[b], qsl[b + 1])."""
+    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    return qsl
 
 
 def flatten_step(out: SchedulerOutput, block_size: int) -> HostStep:

@@ -10,6 +10,7 @@ import torch
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.core.window_blocks import with_aux_tables
 from deepinfer.engine.runner.host_step import flatten_step
+from deepinfer.engine.sample.metadata import to_device
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -50,8 +51,7 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+            return to_device(torch.from_numpy(a), dev)
 
         positions = to_dev(step.positions)
         meta = AttentionMetadata(

@@ -39,6 +39,7 @@ from deepinfer.engine.runner.prefill_inputs import (
     prefill_buckets,
     prefill_graph_metadata,
 )
+from deepinfer.engine.runner.step_executor import copy_pending
 from deepinfer.engine.sample.metadata import index_tensor
 
 logger = logging.getLogger("deepinfer.engine")
@@ -116,9 +117,7 @@ class PrefillGraphs:
         self.buffers.load(pad_prefill(step, bucket, self.max_seqs, self.block_q))
         if pending:
             assert prev_ids is not None
-            dst, src = zip(*pending)
-            ids = prev_ids.index_select(0, index_tensor(src, self.device))
-            self.buffers.input_ids.index_copy_(0, index_tensor(dst, self.device), ids)
+            copy_pending(self.buffers.input_ids, pending, prev_ids)
         if bucket not in self._graphs and not self._capture(bucket):
             return None
         graph, hidden = self._graphs[bucket]

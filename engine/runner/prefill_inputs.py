@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from deepinfer.engine.runner.host_step import HostStep
+from deepinfer.engine.runner.host_step import HostStep, query_start_loc
 from deepinfer.engine.runner.input_buffers import PAD_BLOCK, PAD_POSITION, PAD_SEQ_LEN, PAD_SLOT, PAD_TOKEN_ID
 from deepinfer.engine.runner.static_image import StaticImage
 from deepinfer.kernels.attention_plan import build_plan
@@ -85,8 +85,6 @@ def pad_prefill(step: HostStep, bucket: int, max_seqs: int, block_q: int | None)
     ids[:t], pos[:t], slots[:t] = step.input_ids, step.positions, step.slot_mapping
     query_lens = step.query_lens + [0] * (max_seqs - b) + [pad]
     seq_lens = step.seq_lens + [PAD_SEQ_LEN] * (max_seqs - b + 1)
-    qsl = np.zeros(max_seqs + 2, dtype=np.int32)
-    np.cumsum(query_lens, out=qsl[1:])
     plan = None
     if block_q is not None:
         cap = plan_capacity(bucket, max_seqs, block_q)
@@ -96,7 +94,8 @@ def pad_prefill(step: HostStep, bucket: int, max_seqs: int, block_q: int | None)
         # Programs past the plan: the padding sequence at a query block past all its tokens (stores nothing).
         plan[real.shape[0]::2] = max_seqs
         plan[real.shape[0] + 1::2] = -(-bucket // block_q) + 1
-    return PaddedPrefill(t, bucket, ids, pos, slots, qsl, step.block_tables, plan, query_lens, seq_lens)
+    return PaddedPrefill(t, bucket, ids, pos, slots, query_start_loc(query_lens), step.block_tables, plan,
+                         query_lens, seq_lens)
 
 
 class StaticPrefillBuffers:

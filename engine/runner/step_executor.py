@@ -8,6 +8,7 @@ The synchronous step (`execute`) is the same two launches with the read right af
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,13 @@ def pending_inputs(out: SchedulerOutput, prev: SampledTokens | None) -> list[tup
     return found
 
 
+def copy_pending(ids: torch.Tensor, pending: SequenceABC[tuple[int, int]], prev_ids: torch.Tensor) -> None:
+    """ids[dst] = prev_ids[src] for each (dst, src) of `pending` (`pending_inputs`), on the device, without
+    blocking the host."""
+    dst, src = zip(*pending)
+    ids.index_copy_(0, index_tensor(dst, ids.device), prev_ids.index_select(0, index_tensor(src, ids.device)))
+
+
 def _no_prompt_logprobs(out: SchedulerOutput) -> bool:
     """Whether no row of `out` reports a prompt logprob: those need every position's hidden state, which
     only the eager forward keeps (the cheap test first: most steps hold no such request)."""
@@ -138,9 +146,7 @@ class StepExecutor:
         batch = r.prepare(out)
         ids = batch.input_ids
         if pending:
-            dst, src = zip(*pending)
-            dev = r.device
-            ids.index_copy_(0, index_tensor(dst, dev), prev_ids.index_select(0, index_tensor(src, dev)))
+            copy_pending(ids, pending, prev_ids)
         hidden = r.model(ids, batch.positions, batch.meta, r.kv_caches)
         record_prompt_logprobs(r.model, hidden, out, prompt_rows, r.vocab_size)
         return ForwardPass(out, hidden[batch.sample_indices])
