@@ -260,7 +260,8 @@ def _sweeps(args: argparse.Namespace, layers: dict[str, tuple[int, int]], result
         spent = time.perf_counter() - t0
         budget = None if args.sweep_budget_s is None else max(0.0, args.sweep_budget_s - spent)
         sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
-        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, args.sweep_quick)
+        names = tuple(n.strip() for n in args.sweep_names.split(",") if n.strip())
+        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, names or args.sweep_quick)
         print(sweep_table(result["sweep"]), flush=True)
 
 
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the block sweep's bucket table here as JSON (run it end to end with "
                          "DEEPINFER_FP8_BLOCK_TABLE=<file>, kernels/fp8_block_plan.py)")
     ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
+    ap.add_argument("--sweep-names", default="", help="only the rowwise candidates of these names "
+                    "(comma-separated, e.g. '64x128x128 w4 s6 tma,128x256x128 w8 s3 tma pers')")
     ap.add_argument("--sweep-quick", action="store_true",
                     help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")
     ap.add_argument("--sweep-budget-s", type=float, default=None,

@@ -308,7 +308,7 @@ def gpu_busy_per_step(prof: Any, kinds: list[str], mark: str) -> dict[str, Any]:
     return out
 
 
-def _kernels_by_kind(device_events: list, starts: list[float], kinds: list[str], limit: int = 12
+def _kernels_by_kind(device_events: list, starts: list[float], kinds: list[str], limit: int = 20
                      ) -> dict[str, dict[str, float]]:
     """Per step kind, the device kernels taking the most time: µs per step of that kind, by name (a kernel
     counts for the step whose window it starts in)."""

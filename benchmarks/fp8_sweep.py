@@ -24,6 +24,9 @@ import torch
 from benchmarks.fp8_gemm_timing import _weights, graph_time
 
 KERNELS = ("rowwise",)
+# Weight bytes a graph of calls cycles through (copies of the layer's weight): three times the H200's
+# 50 MB L2, so the small layers (o: 16 MB in FP8) are timed reading HBM as in a decode step.
+COLD_BYTES = 150 * 2**20
 LOADS = ("pointer", "tma")
 # `quick=True`: the rowwise tiles a bucket table would choose between (TMA, and today's pointer tile), so a
 # fixed-length GPU run can sweep M = 64 .. 8192 on every layer in well under a minute.
@@ -33,37 +36,52 @@ QUICK_ROWWISE = ("64x64x128 w4 s4 tma", "64x128x128 w4 s4 tma", "64x128x128 w4 s
 
 def _name(cfg: dict[str, int]) -> str:
     extra = "".join(f" {k.lower()}{v}" for k, v in cfg.items() if k in ("K_LOOP", "IMPRECISE_ACC") and v)
-    loads = (" tma" + (" pers" if cfg.get("PERSISTENT") else "")) if cfg.get("TMA") else ""
+    loads = ((" tma" + (" pers" if cfg.get("PERSISTENT") else "") + (" flat" if cfg.get("FLATTEN") else ""))
+             if cfg.get("TMA") else "")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} "
             f"s{cfg['num_stages']}{extra}{loads}")
 
 
-def _rowwise_candidates(loads: tuple[str, ...], quick: bool) -> tuple[dict[str, int], ...]:
+def _rowwise_candidates(loads: tuple[str, ...], quick: bool | tuple[str, ...]) -> tuple[dict[str, int], ...]:
+    """The candidates of `loads`; `quick`: True for QUICK_ROWWISE, or the names to keep."""
     from deepinfer.kernels import fp8_rowwise as fr
 
     cands = ((fr.ROWWISE_CANDIDATES if "pointer" in loads else ())
              + (fr.ROWWISE_TMA_CANDIDATES if "tma" in loads else ()))
-    return tuple(c for c in cands if _name(c) in QUICK_ROWWISE) if quick else cands
+    if not quick:
+        return cands
+    names = QUICK_ROWWISE if quick is True else quick
+    unknown = sorted(set(names) - {_name(c) for c in cands})
+    if unknown:
+        raise SystemExit(f"--sweep-names: no candidate is named {unknown}; "
+                         f"names: {[_name(c) for c in cands]}")
+    return tuple(c for c in cands if _name(c) in names)
 
 
 def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
           kernels: tuple[str, ...] = KERNELS, loads: tuple[str, ...] = LOADS,
-          budget_s: float | None = None, quick: bool = False) -> dict:
+          budget_s: float | None = None, quick: bool | tuple[str, ...] = False) -> dict:
     """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
-    `quick` the short rowwise list (QUICK_ROWWISE)."""
+    `quick` the short rowwise list (True: QUICK_ROWWISE; a tuple: the candidates of those names)."""
     from deepinfer.kernels import fp8_rowwise as fr
 
-    table = {
-        "rowwise": (_rowwise_candidates(loads, quick),
-                    lambda xq, xs, w, cfg: fr.rowwise_matmul(xq, xs, w["row_q"], w["row_s"], None,
-                                                             torch.bfloat16, cfg),
-                    lambda x: fr.quantize_rows(x)),
-    }
+    def rowwise(xq: torch.Tensor, xs: torch.Tensor, w: dict, cfg: dict[str, int]) -> torch.Tensor:
+        # Each call takes the next weight copy, so a graph of calls reads its weights from HBM (as a decode
+        # step does, every layer with its own) even where one copy would fit in L2.
+        w["turn"] = (w.get("turn", -1) + 1) % len(w["row_q_copies"])
+        i = w["turn"]
+        return fr.rowwise_matmul(xq, xs, w["row_q_copies"][i], w["row_s_copies"][i], None, torch.bfloat16,
+                                 cfg)
+
+    table = {"rowwise": (_rowwise_candidates(loads, quick), rowwise, lambda x: fr.quantize_rows(x))}
     ms = tuple(sorted(ms))
     report: dict = {"skipped_for_budget": []}
     t0 = time.perf_counter()
     for li, (layer, (n, k)) in enumerate(layers.items()):
         wts = _weights(n, k, seed=li)
+        copies = max(1, -(-COLD_BYTES // wts["row_q"].numel()))
+        wts["row_q_copies"] = [wts["row_q"]] + [wts["row_q"].clone() for _ in range(copies - 1)]
+        wts["row_s_copies"] = [wts["row_s"]] + [wts["row_s"].clone() for _ in range(copies - 1)]
         x_all = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
         for kname in kernels:
             if budget_s is not None and time.perf_counter() - t0 > budget_s:

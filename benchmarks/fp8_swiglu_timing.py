@@ -15,7 +15,8 @@ deterministic engine's), weights cycled past L2 as a decode step reads them:
 `bits`: every arm's e4m3 codes and scales equal the unfused ones (must be True). Medians of `--repeats`.
 The GEMMs alone, to tell the epilogue's cost from the quantizers': `gemm_plain_us` (the [M, 2I] GEMM) and
 `gemm_swiglu_us` (the SWIGLU form, [M, I]; `gemm_bits`: equal to silu_and_mul of the plain one), and
-`config`, the planner's tile at that M.
+`config`, the planner's tile at that M; `--configs`: both GEMM forms again with each named tile
+(`gemm_plain[<name>]_us`, `gemm_swiglu[<name>]_us`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SHAPES = {"llama-3.1-8b": (14336, 4096), "qwen2.5-0.5b": (4864, 896)}   # (I, hi
 HBM_BYTES = 160 << 20      # weight copies cycled per timing: more than the H200's 50 MB L2
 
 
-def _arms(m: int, i: int, k: int):
+def _arms(m: int, i: int, k: int, configs: dict[str, dict[str, int]] | None = None):
     from deepinfer.engine.models.quant.fp8_tensor import interleave_gate_up, quantize_fp8_channel
     from deepinfer.kernels.fp8_fused_quant import silu_and_mul_quant
     from deepinfer.kernels.fp8_row_quant import quantize_rows
@@ -74,17 +75,20 @@ def _arms(m: int, i: int, k: int):
             return quantize_rows(a, split=split)
         return run
 
-    def gemm(swiglu: bool):
+    def gemm(swiglu: bool, config: dict[str, int] | None = None):
         def run():
             q, s = (inter if swiglu else plain)[step["i"] % copies]
             step["i"] += 1
             fn = fp8_rowwise_swiglu_quantized if swiglu else fp8_rowwise_linear_quantized
-            return fn(xq, xs, q, s, out_dtype=torch.bfloat16, planner=planner)
+            return fn(xq, xs, q, s, out_dtype=torch.bfloat16, planner=planner, config=config)
         return run
 
     config = planner.config(xq, xs, plain[0][0], plain[0][1], None, torch.bfloat16)
+    tiles = {f"[{name}]": cfg for name, cfg in (configs or {}).items()}
     return ({"unfused": unfused, "epilogue": epilogue(None), "epilogue_split": epilogue(1024)},
-            {"gemm_plain": gemm(False), "gemm_swiglu": gemm(True)}, config)
+            {"gemm_plain": gemm(False), "gemm_swiglu": gemm(True),
+             **{f"gemm_plain{t}": gemm(False, c) for t, c in tiles.items()},
+             **{f"gemm_swiglu{t}": gemm(True, c) for t, c in tiles.items()}}, config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=55.0, help="skip the remaining cases past this")
+    ap.add_argument("--configs", default="", help="also time both GEMM forms with these rowwise candidates "
+                    "(names as benchmarks/fp8_sweep.py prints them, comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_swiglu_timing.py needs a CUDA GPU")
     i, k = SHAPES[args.shape]
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    configs = None
+    if names:
+        from benchmarks.fp8_sweep import _name, _rowwise_candidates
+
+        configs = {_name(c): c for c in _rowwise_candidates(("tma",), tuple(names))}
     start = time.time()
     rows = []
     for m in (int(v) for v in args.ms.split(",")):
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         from deepinfer.kernels.activation import silu_and_mul
 
-        arms, gemms, config = _arms(m, i, k)
+        arms, gemms, config = _arms(m, i, k, configs)
         out = {name: fn() for name, fn in arms.items()}
         qa, sa = out["unfused"]
         rec = {"shape": args.shape, "m": m, "config": config,

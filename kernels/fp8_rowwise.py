@@ -44,13 +44,15 @@ __all__ = ["quantize_rows", "fp8_rowwise_linear", "fp8_rowwise_linear_quantized"
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, imprecise: int = 0, tma: int = 0,
-         persistent: int = 0) -> dict[str, int]:
+         persistent: int = 0, flatten: int = 0) -> dict[str, int]:
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
            "num_stages": stages, "IMPRECISE_ACC": imprecise}
     if tma:   # TMA-only keys: absent from pointer configs, so those keep their names and cache keys
         cfg["TMA"] = 1
         if persistent:
             cfg["PERSISTENT"] = 1
+            if flatten:
+                cfg["FLATTEN"] = 1
     return cfg
 
 
@@ -61,7 +63,7 @@ def _tma(cfg: dict[str, int], persistent: int = 0) -> dict[str, int]:
 
 def _pointer(cfg: dict[str, int]) -> dict[str, int]:
     """`cfg` with pointer tile loads (the same tile, one program per tile)."""
-    return {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT")}
+    return {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT", "FLATTEN")}
 
 
 # Hopper candidates (smem per stage = (BLOCK_M + BLOCK_N) * BLOCK_K bytes; 228 KiB per SM on the H200).
@@ -81,6 +83,14 @@ ROWWISE_TMA_CANDIDATES: tuple[dict[str, int], ...] = (
     _cfg(128, 256, 128, 8, 3, tma=1, persistent=1), _cfg(128, 256, 128, 8, 4, tma=1, persistent=1),
     _cfg(128, 128, 128, 8, 4, tma=1, persistent=1), _cfg(64, 64, 128, 4, 4, tma=1),
     _cfg(64, 32, 128, 4, 6, tma=1), _cfg(64, 128, 128, 4, 5, tma=1),
+    # Deeper pipelines for decode-sized M (a long K on few tiles waits on its loads) and the flattened
+    # persistent loop for prefill-sized M (added for the sweep of 2026-12-03, 17:39).
+    _cfg(64, 32, 128, 4, 8, tma=1), _cfg(64, 64, 128, 4, 8, tma=1), _cfg(64, 128, 128, 4, 7, tma=1),
+    _cfg(64, 128, 128, 4, 8, tma=1), _cfg(64, 256, 128, 4, 5, tma=1), _cfg(128, 128, 128, 4, 6, tma=1),
+    _cfg(128, 128, 128, 8, 6, tma=1), _cfg(256, 128, 128, 8, 4, tma=1, persistent=1),
+    _cfg(128, 256, 128, 8, 3, tma=1, persistent=1, flatten=1),
+    _cfg(128, 256, 128, 8, 4, tma=1, persistent=1, flatten=1),
+    _cfg(128, 128, 128, 8, 5, tma=1, persistent=1, flatten=1),
 )
 
 
@@ -102,22 +112,32 @@ def rowwise_buckets(n: int, k: int) -> tuple[tuple[int | None, dict[str, int]], 
     fast mode. Every bucket keeps BLOCK_K = 128 and IMPRECISE_ACC = 0, so an element is the same fp32 dot
     chain in each; a function of the weight shape only, never of M.
 
-    Measured on the H200 (02:20 UTC sweep, `bench_fp8.py --skip-gemm --skip-e2e --sweep --sweep-kernels
-    rowwise --sweep-quick`, µs per call at M = 64 / 256 / 2048 / 8192, the single 64 x 128 config -> the
-    table): qkv 9.4 / 13.7 / 91.6 / 387 -> 8.0 / 13.7 / 76.1 / 311; o 9.2 / 9.9 / 65.3 / 269 -> 7.9 / 9.9 /
-    50.9 / 201; gate_up 33.6 / 65.5 / 480 / 2060 -> 33.6 / 53.6 / 385 / 1590; down 38.6 / 39.0 / 208 / 981
-    -> 35.8 / 38.7 / 187 / 722. All seven configs swept gave the same bits on every 8B shape. Decode-sized
-    M takes 64-row tiles (64 x 64 up to 64 rows: more tiles to fill the SMs), except the wide gate_up,
-    whose 256-row step is fastest on persistent 128 x 256 tiles; prefill takes 128 x 256 (persistent where
-    that measured faster: the wide and the long-K weights).
+    Measured on the H200 (2026-12-03 17:39–17:48 UTC, `bench_fp8.py --skip-gemm --skip-e2e --sweep
+    --sweep-kernels rowwise --sweep-loads tma --sweep-names ...`, weights read from HBM, µs per call;
+    benchmarks/RESULTS.md has the table and the end-to-end effect). Decode-sized M: deep
+    pipelines (8 stages) on 64-row tiles where the tiles fit in one wave of the 132 SMs, since a K loop on
+    few tiles waits on its loads; at M = 64 / 128 / 256, the 02:20 table -> this one: down 36.1 / 37.1 /
+    39.7 -> 22.6 / 24.4 / 26.9, o 12.8 / 13.4 / 13.7 -> 9.2 / 10.0 / 10.7, qkv 13.8 / 14.3 / 15.2 -> 10.8 /
+    11.2 / 15.2 (its 192 tiles of 64 x 128 at M = 256 take two waves at 8 stages, 19.0: it keeps 4 stages
+    there). gate_up keeps its tiles (64 x 128 up to 64 rows, then persistent 128 x 256). Larger M:
+    persistent 128 x 256 tiles with the tile loop flattened into the K loop (FLATTEN), at M = 8,192 /
+    16,384: down 713 / 1,429 -> 667 / 1,427, o 205 / 447 -> 195 / 402, qkv 351 / 685 -> 320 / 657,
+    gate_up 1,605 / 3,148 -> 1,553 / 3,067; gate_up's middle bucket flattened too (M = 1,024 / 2,048 /
+    4,096: 174.5 / 385.2 / 787.5 -> 170.7 / 369.2 / 770.3). Every one of the 26 configs swept gave the same
+    bits on every 8B shape at every M.
     """
+    prefill = _cfg(128, 256, 128, 8, 3, tma=1, persistent=1, flatten=1)
     if n >= 8192:            # gate_up-like: wide output
-        return ((64, _cfg(64, 128, 128, 4, 4, tma=1)), (4096, _cfg(128, 256, 128, 8, 4, tma=1, persistent=1)),
-                (None, _cfg(128, 256, 128, 8, 3, tma=1, persistent=1)))
+        return ((64, _cfg(64, 128, 128, 4, 4, tma=1)),
+                (4096, _cfg(128, 256, 128, 8, 4, tma=1, persistent=1, flatten=1)), (None, prefill))
     if k >= 8192:            # down-like: long K
-        return ((256, _cfg(64, 64, 128, 4, 4, tma=1)), (None, _cfg(128, 256, 128, 8, 3, tma=1, persistent=1)))
-    return ((64, _cfg(64, 64, 128, 4, 4, tma=1)), (256, _cfg(64, 128, 128, 4, 4, tma=1)),
-            (None, _cfg(128, 256, 128, 8, 3, tma=1)))
+        return ((64, _cfg(64, 32, 128, 4, 8, tma=1)), (128, _cfg(64, 64, 128, 4, 8, tma=1)),
+                (256, _cfg(64, 128, 128, 4, 8, tma=1)), (None, prefill))
+    if n <= 4096:            # o-like: one wave of 64 x 64 / 64 x 128 tiles up to 128 / 256 rows
+        return ((64, _cfg(64, 32, 128, 4, 8, tma=1)), (128, _cfg(64, 64, 128, 4, 8, tma=1)),
+                (256, _cfg(64, 128, 128, 4, 8, tma=1)), (None, prefill))
+    return ((64, _cfg(64, 32, 128, 4, 8, tma=1)), (128, _cfg(64, 128, 128, 4, 8, tma=1)),
+            (256, _cfg(64, 128, 128, 4, 4, tma=1)), (None, prefill))
 
 
 def _probe_rows(k: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

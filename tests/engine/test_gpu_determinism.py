@@ -1,5 +1,6 @@
 """GPU: bitwise-identical tokens and logprobs across batch sizes, chunked prefill and prefix hits (bf16, and
-block-scaled FP8: quantization="fp8", the fused group quantization and BlockPlanner's proven M buckets)."""
+block-scaled FP8: quantization="fp8", the fused group quantization and BlockPlanner's proven M buckets;
+per-channel FP8: quantization="fp8-channel", the rowwise GEMM's proven M buckets and its SwiGLU epilogue)."""
 
 from __future__ import annotations
 
@@ -54,16 +55,18 @@ def _requests(n: int):
     return prompts, params
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8-block"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8-channel"],
+                         ids=["bf16", "fp8-block", "fp8-rowwise"])
 def test_bitwise_identity_across_batch_sizes_chunking_and_prefix_hits(llama8b_dir, quantization):
     prompts, params = _requests(256)
     llm = _llm(llama8b_dir, max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False,
                quantization=quantization)
     ref = run_requests(llm, prompts, params, list(range(256)))
     check_batch_sizes(llm, prompts, params, ref, (64, 7, 1), start=3)
-    if quantization == "fp8":   # the buckets were proven on every FP8 weight shape (not one config for all M)
+    if quantization is not None:   # buckets proven on every FP8 weight shape (not one config for all M)
         ops = next(m.ops for m in llm.model.modules() if getattr(m, "ops", None) is not None)
-        verdicts = ops._block_planner.verdicts()
+        planner = ops._block_planner if quantization == "fp8" else ops._fp8_planner
+        verdicts = planner.verdicts()
         assert len(verdicts) == 4 and all(verdicts.values()), verdicts
     del llm
     chunked = _llm(llama8b_dir, max_num_seqs=64, max_num_batched_tokens=160, enable_prefix_caching=True,

@@ -144,7 +144,7 @@ def test_rowwise_proof_runs_probe_rows_and_pointer_loads(fr, monkeypatch):
     assert all(xq is probe[0] and w is weight for xq, w, _ in runs)
     tma = [cfg for _, cfg in buckets]
     assert all(cfg.get("TMA") for cfg in tma)
-    pointer = [{k: v for k, v in cfg.items() if k not in ("TMA", "PERSISTENT")} for cfg in tma]
+    pointer = [{k: v for k, v in cfg.items() if k not in ("TMA", "PERSISTENT", "FLATTEN")} for cfg in tma]
     compared = [cfg for _, _, cfg in runs]
     assert all(c in compared for c in tma + pointer) and len(compared) == len({str(c) for c in tma + pointer})
 

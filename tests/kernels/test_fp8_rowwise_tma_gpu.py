@@ -61,6 +61,8 @@ CASES = [   # (M, N, K, bias, config)
     (2048, 28672, 4096, False, _cfg(128, 256, 8, 3, PERSISTENT=1)),
     (300, 4096, 4096, False, _cfg(64, 128, 4, 4, IMPRECISE_ACC=128)),
     (77, 520, 2064, True, _cfg(128, 256, 8, 4, PERSISTENT=1)),  # K % 128 == 16: the smallest TMA tail
+    (3000, 4096, 14336, True, _cfg(128, 256, 8, 3, PERSISTENT=1, FLATTEN=1)),
+    (256, 4096, 14336, False, _cfg(64, 128, 4, 8)),
 ]
 
 
@@ -145,6 +147,7 @@ def test_fast_mode_with_tma_matches_the_reference(fr, layers):
 @pytest.mark.parametrize("m,i,k,cfg", [
     (256, 14336, 4096, _cfg(64, 128, 4, 4, TMA=1)),
     (2048, 14336, 4096, _cfg(128, 256, 8, 3, TMA=1, PERSISTENT=1)),
+    (2048, 14336, 4096, _cfg(128, 256, 8, 4, TMA=1, PERSISTENT=1, FLATTEN=1)),
     (37, 1000, 4160, _cfg(128, 128, 8, 4, TMA=1)),       # ragged M and I, K % 128 == 64
     (300, 4864, 896, _cfg(64, 64, 4, 6)),                 # the 0.5B shape, pointer loads
 ])
@@ -155,7 +158,7 @@ def test_swiglu_epilogue_is_the_gemm_then_silu_and_mul_bitwise(fr, m, i, k, cfg)
     xq, xs = fr.quantize_rows(_x(m, k, seed=m))
     want = silu_and_mul(fr.rowwise_matmul(xq, xs, w, s, None, torch.bfloat16, cfg))
     wi, si = interleave_gate_up(w, s)
-    for loads in (cfg, {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT")}):
+    for loads in (cfg, {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT", "FLATTEN")}):
         got = fr.rowwise_matmul(xq, xs, wi, si, None, torch.bfloat16, loads, swiglu=True)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), loads
 

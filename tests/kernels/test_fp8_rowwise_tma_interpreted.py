@@ -46,6 +46,7 @@ def _operands(m: int, n: int, k: int, seed: int):
     (37, 40, 80, _cfg(16, 16)),                      # ragged M and N, K % BLOCK_K != 0
     (5, 16, 64, _cfg(16, 16, PERSISTENT=1)),         # fewer rows than a tile
     (70, 33, 48, _cfg(32, 16, PERSISTENT=1)),        # the persistent loop: 3 programs over 9 tiles
+    (70, 33, 48, _cfg(32, 16, PERSISTENT=1, FLATTEN=1)),   # the same loop flattened into the K loop
     (20, 48, 128, _cfg(16, 32, 64)),
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -165,6 +166,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     (37, 20, 80, _cfg(16, 16)),                  # ragged M and I (the last tile half outside), K tail
     (5, 16, 64, _cfg(16, 32, PERSISTENT=1)),     # fewer rows than a tile
     (70, 24, 48, _cfg(32, 16, PERSISTENT=1)),    # the persistent loop over several tiles
+    (70, 24, 48, _cfg(32, 16, PERSISTENT=1, FLATTEN=1)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_swiglu_epilogue_is_the_gemm_then_silu_and_mul_bitwise(rw, m, i, k, cfg, dtype):
