@@ -64,6 +64,7 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
     """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
     `quick` the short rowwise list (True: QUICK_ROWWISE; a tuple: the candidates of those names)."""
     from deepinfer.kernels import fp8_rowwise as fr
+    from deepinfer.kernels._checks import stages_that_fit
 
     def rowwise(xq: torch.Tensor, xs: torch.Tensor, w: dict, cfg: dict[str, int]) -> torch.Tensor:
         # Each call takes the next weight copy, so a graph of calls reads its weights from HBM (as a decode
@@ -96,6 +97,11 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
                 for cfg in cands:
                     name = _name(cfg)
                     if name in failed:
+                        continue
+                    stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
+                    fit = stages_that_fit(cfg["num_stages"], stage_bytes, xq.device)
+                    if fit != cfg["num_stages"]:   # would launch with fewer stages than its name says
+                        failed[name] = f"needs more shared memory than this device has ({fit} stages fit)"
                         continue
                     try:
                         out = run(xq, xs, wts, cfg)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels._checks import check_tensor
+from deepinfer.kernels._checks import check_tensor, stages_that_fit
 from deepinfer.kernels.bucket_planner import BucketPlanner, bucket_for, outputs_agree, probe_rows
 from deepinfer.kernels.fp8_matmul import grouped_tile
 from deepinfer.kernels.fp8_row_quant import quantize_rows
@@ -236,6 +236,9 @@ def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, wei
     if m == 0 or n == 0:
         return out
     cfg = config
+    stages = stages_that_fit(cfg["num_stages"], (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"], xq.device)
+    if stages != cfg["num_stages"]:
+        cfg = {**cfg, "num_stages": stages}
     if cfg.get("TMA", 0) and tma_usable(xq, weight):
         return rowwise_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg, swiglu)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)

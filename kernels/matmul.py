@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms
+from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms, stages_that_fit
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue, split_ranges
 from deepinfer.kernels.matmul_split import split_launch
@@ -289,6 +289,10 @@ def bi_linear(
         plain = plain.zero_() if bias is None else plain.copy_(bias.expand(m, n))
         return _swiglu_after(plain) if swiglu else plain
     cfg = config if config is not None else _choose(x, weight, bias, planner)
+    stages = stages_that_fit(cfg.num_stages, (cfg.block_m + cfg.block_n) * cfg.block_k * x.element_size(),
+                             x.device)
+    if stages != cfg.num_stages:
+        cfg = replace(cfg, num_stages=stages)
     if cfg.split_k > 1 and not cfg.serial_split:
         if swiglu:
             # No SWIGLU form of the parallel split: its plain result, then the same activation on its pairs.
