@@ -17,6 +17,7 @@ listed, so a GPU run of fixed length always ends with the figures measured so fa
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -64,15 +65,12 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
     """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
     `quick` the short rowwise list (True: QUICK_ROWWISE; a tuple: the candidates of those names)."""
     from deepinfer.kernels import fp8_rowwise as fr
-    from deepinfer.kernels._checks import stages_that_fit
 
     def rowwise(xq: torch.Tensor, xs: torch.Tensor, w: dict, cfg: dict[str, int]) -> torch.Tensor:
         # Each call takes the next weight copy, so a graph of calls reads its weights from HBM (as a decode
         # step does, every layer with its own) even where one copy would fit in L2.
-        w["turn"] = (w.get("turn", -1) + 1) % len(w["row_q_copies"])
-        i = w["turn"]
-        return fr.rowwise_matmul(xq, xs, w["row_q_copies"][i], w["row_s_copies"][i], None, torch.bfloat16,
-                                 cfg)
+        q, s = next(w["row_copies"])
+        return fr.rowwise_matmul(xq, xs, q, s, None, torch.bfloat16, cfg)
 
     table = {"rowwise": (_rowwise_candidates(loads, quick), rowwise, lambda x: fr.quantize_rows(x))}
     ms = tuple(sorted(ms))
@@ -81,8 +79,8 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
     for li, (layer, (n, k)) in enumerate(layers.items()):
         wts = _weights(n, k, seed=li)
         copies = max(1, -(-COLD_BYTES // wts["row_q"].numel()))
-        wts["row_q_copies"] = [wts["row_q"]] + [wts["row_q"].clone() for _ in range(copies - 1)]
-        wts["row_s_copies"] = [wts["row_s"]] + [wts["row_s"].clone() for _ in range(copies - 1)]
+        wts["row_copies"] = itertools.cycle([(wts["row_q"], wts["row_s"])] + [
+            (wts["row_q"].clone(), wts["row_s"].clone()) for _ in range(copies - 1)])
         x_all = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
         for kname in kernels:
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
@@ -98,10 +96,10 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
                     name = _name(cfg)
                     if name in failed:
                         continue
-                    stage_bytes = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
-                    fit = stages_that_fit(cfg["num_stages"], stage_bytes, xq.device)
-                    if fit != cfg["num_stages"]:   # would launch with fewer stages than its name says
-                        failed[name] = f"needs more shared memory than this device has ({fit} stages fit)"
+                    fitted = fr.fit_to_device(cfg, xq.device)
+                    if fitted is not cfg:   # would launch with fewer stages than its name says
+                        failed[name] = ("needs more shared memory than this device has "
+                                        f"({fitted['num_stages']} stages fit)")
                         continue
                     try:
                         out = run(xq, xs, wts, cfg)

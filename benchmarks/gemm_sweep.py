@@ -220,7 +220,6 @@ class Sweep:
         return time.perf_counter() - t0
 
     def shape(self, shape: str) -> dict:
-        from deepinfer.kernels._checks import stages_that_fit
         from deepinfer.kernels.matmul import MatmulPlanner, _bucket_configs, bi_linear, matmul_config
 
         n, k, _ = self.shapes[shape]
@@ -262,10 +261,11 @@ class Sweep:
         decode = _candidates(shape, self.split)
         for spec in self.specs(shape):
             cfg = _cfg(spec)
-            fit = stages_that_fit(cfg.num_stages, (cfg.block_m + cfg.block_n) * cfg.block_k * 2, x.device)
-            if fit != cfg.num_stages:   # the launch would run fewer stages than the name says: not timed
+            fitted = cfg.fit_to_device(x.element_size(), x.device)
+            if fitted is not cfg:   # the launch would run fewer stages than the name says: not timed
                 rows.append({"shape": shape, "config": _name(spec), "split_k": _split(spec),
-                             "error": f"needs more shared memory than this device has ({fit} stages fit)"})
+                             "error": "needs more shared memory than this device has "
+                                      f"({fitted.num_stages} stages fit)"})
                 continue
             ms = (self.ms if spec in decode else []) + (prefill_ms if spec in PREFILL_CANDIDATES else [])
             ms += [PREFILL_M] if _split(spec) > 1 else []

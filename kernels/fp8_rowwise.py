@@ -61,6 +61,13 @@ def _tma(cfg: dict[str, int], persistent: int = 0) -> dict[str, int]:
     return {**cfg, "TMA": 1, **({"PERSISTENT": 1} if persistent else {})}
 
 
+def fit_to_device(cfg: dict[str, int], device: torch.device) -> dict[str, int]:
+    """`cfg` itself, or a copy with the pipeline depth `device`'s shared memory holds
+    (`stages_that_fit`; the same bits): what a launch of `cfg` runs there."""
+    stages = stages_that_fit(cfg["num_stages"], (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"], device)
+    return cfg if stages == cfg["num_stages"] else {**cfg, "num_stages": stages}
+
+
 def _pointer(cfg: dict[str, int]) -> dict[str, int]:
     """`cfg` with pointer tile loads (the same tile, one program per tile)."""
     return {key: v for key, v in cfg.items() if key not in ("TMA", "PERSISTENT", "FLATTEN")}
@@ -235,10 +242,7 @@ def rowwise_matmul(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, wei
     out = torch.empty((m, n // 2 if swiglu else n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    cfg = config
-    stages = stages_that_fit(cfg["num_stages"], (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"], xq.device)
-    if stages != cfg["num_stages"]:
-        cfg = {**cfg, "num_stages": stages}
+    cfg = fit_to_device(config, xq.device)
     if cfg.get("TMA", 0) and tma_usable(xq, weight):
         return rowwise_tma_launch(xq, xs, weight, weight_scale, bias, out, cfg, swiglu)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)

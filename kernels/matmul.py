@@ -75,6 +75,13 @@ class MatmulConfig:
         if self.serial_split and self.split_k == 1:
             raise ValueError("MatmulConfig.serial_split=True needs split_k > 1 (nothing to serialize)")
 
+    def fit_to_device(self, element_size: int, device: torch.device) -> MatmulConfig:
+        """This config, or a copy with the pipeline depth `device`'s shared memory holds for operands of
+        `element_size` bytes (`stages_that_fit`; the same bits): what a launch of it runs there."""
+        stage_bytes = (self.block_m + self.block_n) * self.block_k * element_size
+        stages = stages_that_fit(self.num_stages, stage_bytes, device)
+        return self if stages == self.num_stages else replace(self, num_stages=stages)
+
 
 # float32 weights at most this wide with K at least this long take a fixed split-K (matmul_config).
 _NARROW_F32_N = 256
@@ -288,11 +295,8 @@ def bi_linear(
         plain = torch.empty((m, n), dtype=x.dtype, device=x.device) if swiglu else out
         plain = plain.zero_() if bias is None else plain.copy_(bias.expand(m, n))
         return _swiglu_after(plain) if swiglu else plain
-    cfg = config if config is not None else _choose(x, weight, bias, planner)
-    stages = stages_that_fit(cfg.num_stages, (cfg.block_m + cfg.block_n) * cfg.block_k * x.element_size(),
-                             x.device)
-    if stages != cfg.num_stages:
-        cfg = replace(cfg, num_stages=stages)
+    cfg = (config if config is not None else _choose(x, weight, bias, planner)).fit_to_device(
+        x.element_size(), x.device)
     if cfg.split_k > 1 and not cfg.serial_split:
         if swiglu:
             # No SWIGLU form of the parallel split: its plain result, then the same activation on its pairs.
