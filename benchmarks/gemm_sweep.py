@@ -66,10 +66,15 @@ TMA_CANDIDATES = {   # the same tiles with TMA loads: same bits expected (checke
                (128, 128, 8, 4, True, 1, True), (128, 64, 4, 4, False, 1, True),
                # deep pipelines: what the rowwise FP8 decode tiles gained from (kernels/fp8_rowwise.py)
                (64, 32, 4, 8, False, 1, True), (64, 64, 4, 8, False, 1, True),
-               (64, 128, 4, 8, False, 1, True)),
+               (64, 128, 4, 8, False, 1, True), (128, 64, 4, 8, False, 1, True),
+               (128, 128, 8, 6, False, 1, True)),
     "wide": ((128, 256, 8, 4, False, 1, True), (64, 256, 4, 4, False, 1, True),
              (128, 128, 8, 4, False, 1, True), (128, 256, 8, 4, True, 1, True),
-             (128, 128, 8, 4, True, 1, True)),
+             (128, 128, 8, 4, True, 1, True),
+             # the deepest pipelines that fit an H200's shared memory (~192 KB of tiles)
+             (64, 256, 4, 5, False, 1, True), (128, 128, 8, 6, False, 1, True),
+             (64, 128, 4, 8, False, 1, True), (128, 128, 8, 6, True, 1, True),
+             (64, 256, 4, 5, True, 1, True)),
 }
 # Prefill-sized M (--prefill-m): today's open-ended bucket and alternatives, each also with TMA loads.
 PREFILL_CANDIDATES = tuple(

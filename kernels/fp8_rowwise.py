@@ -9,6 +9,15 @@ Since no scale varies along K, the K loop is a plain `acc = tl.dot(a, b, acc)` c
 pipeline runs asynchronously, like torch._scaled_mm rowwise) and both scales multiply the fp32 accumulator
 once in the epilogue. The math is `fp8_linear_ref` with a single K-group (kernels/reference/fp8_matmul.py).
 
+Accumulation precision: every table config has IMPRECISE_ACC = 0, Triton's default, which on sm_90 is
+2^30, i.e. the tensor core's FP8 partial sums are never promoted to a full fp32 add (the fast accumulation
+vLLM's per-channel FP8 kernels use too; torch._scaled_mm's default promotes). On random data the result is
+within 2% of the float64 reference; on rows that correlate with a weight row (all products of a sum of the
+same sign) it lands low: 6-7% at K = 4,096 and 18% at K = 14,336 when the rows are the weight's own rows
+(benchmarks/RESULTS.md, 2026-12-02 02:20 and 2026-12-03 19:40 UTC). IMPRECISE_ACC = 128 promotes after every
+K tile (DeepSeek-V3's choice for its FP8 GEMMs); its speed on the 8B shapes is not yet measured, so it is
+a candidate, not the default.
+
 Batch invariance (`invariant=True`): the row scale is row-local (its max is exact whatever the chunking),
 K is walked in increasing order with no split-K and rows past M read row 0 and are never stored, so a row's
 bits depend on neither M nor the other rows as long as the tile config does not depend on M. Without a

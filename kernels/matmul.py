@@ -141,6 +141,19 @@ _TUNED: dict[tuple[int, int], tuple[tuple[int | None, MatmulConfig], ...]] = {
     (896, 4864): ((64, _cfg(64, 32, 4, 6, split=4)), (256, _cfg(64, 64, 4, 6, split=4)),
                   (None, _cfg(128, 128, 8, 4, True, split=4, serial=True))),
     (151936, 896): ((64, _cfg(64, 128, 4, 4)), (None, _cfg(128, 256, 8, 4, True))),
+    # Llama-3.1-8B's narrow layers (and every model sharing their shapes): 8-stage pipelines keep more of
+    # HBM's bandwidth in flight for a decode step's few row tiles (192 KB of tiles: MatmulConfig.
+    # fit_to_device trims the stages on GPUs with less shared memory, same bits). `gemm_sweep.py --model
+    # llama-3.1-8b`, 2026-12-03 17:57 UTC, us at M = 64 / 128 / 256, class rule -> table (cuBLAS): down
+    # 49.5 / 50.6 / 60.7 -> 42.8 / 44.4 / 49.8 (36.9 / 38.7 / 49.5); o 16.4 / 16.8 / 18.9 -> 14.5 / 15.2 /
+    # 16.3 (12.0 / 14.4 / 16.8); qkv 19.6 / 20.7 -> 18.1 / 18.9 (17.1 / 17.4); at 256 rows (2026-12-03
+    # 19:42 UTC) 27.6 -> 24.7 (22.5) on 128x128 tiles at 6 stages: 96 tiles, one wave.
+    (4096, 14336): ((64, _cfg(64, 32, 4, 8)), (128, _cfg(64, 64, 4, 8)), (256, _cfg(64, 128, 4, 8)),
+                    (None, _cfg(128, 256, 8, 3, True))),
+    (4096, 4096): ((64, _cfg(64, 32, 4, 8)), (128, _cfg(64, 64, 4, 8)), (256, _cfg(64, 128, 4, 8)),
+                   (None, _cfg(128, 256, 8, 3, True))),
+    (6144, 4096): ((64, _cfg(64, 64, 4, 8)), (128, _cfg(64, 128, 4, 8)), (256, _cfg(128, 128, 8, 6)),
+                   (None, _cfg(128, 256, 8, 3, True))),
 }
 
 
