@@ -261,7 +261,8 @@ def _sweeps(args: argparse.Namespace, layers: dict[str, tuple[int, int]], result
         budget = None if args.sweep_budget_s is None else max(0.0, args.sweep_budget_s - spent)
         sweep_ms = tuple(int(v) for v in args.sweep_ms.split(",") if v)
         names = tuple(n.strip() for n in args.sweep_names.split(",") if n.strip())
-        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, names or args.sweep_quick)
+        result["sweep"] = sweep(layers, sweep_ms, emit, rowwise, loads, budget, names or args.sweep_quick,
+                                args.sweep_promote)
         print(sweep_table(result["sweep"]), flush=True)
 
 
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-loads", default="pointer,tma", help="rowwise tile loaders swept, of pointer,tma")
     ap.add_argument("--sweep-names", default="", help="only the rowwise candidates of these names "
                     "(comma-separated, e.g. '64x128x128 w4 s6 tma,128x256x128 w8 s3 tma pers')")
+    ap.add_argument("--sweep-promote", type=int, default=0,
+                    help="also each rowwise candidate with IMPRECISE_ACC=N (e.g. 128: the FP8 partial sums "
+                         "promoted to fp32 every K tile; names end in 'imprecise_acc<N>' for --sweep-names)")
     ap.add_argument("--sweep-quick", action="store_true",
                     help="only the rowwise tiles a bucket table chooses between (fp8_sweep.QUICK_ROWWISE)")
     ap.add_argument("--sweep-budget-s", type=float, default=None,

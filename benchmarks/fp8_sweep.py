@@ -43,12 +43,20 @@ def _name(cfg: dict[str, int]) -> str:
             f"s{cfg['num_stages']}{extra}{loads}")
 
 
-def _rowwise_candidates(loads: tuple[str, ...], quick: bool | tuple[str, ...]) -> tuple[dict[str, int], ...]:
-    """The candidates of `loads`; `quick`: True for QUICK_ROWWISE, or the names to keep."""
+def _rowwise_candidates(loads: tuple[str, ...], quick: bool | tuple[str, ...],
+                        promote: int = 0) -> tuple[dict[str, int], ...]:
+    """The candidates of `loads`; `quick`: True for QUICK_ROWWISE, or the names to keep; `promote` > 0 adds
+    each candidate again with IMPRECISE_ACC = promote (its FP8 partial sums promoted to fp32 every `promote`
+    K elements: other bits than Triton's sm_90 default, kernels/fp8_rowwise.py), named "...
+    imprecise_acc<N>"."""
     from deepinfer.kernels import fp8_rowwise as fr
 
     cands = ((fr.ROWWISE_CANDIDATES if "pointer" in loads else ())
              + (fr.ROWWISE_TMA_CANDIDATES if "tma" in loads else ()))
+    if promote:
+        known = {_name(c) for c in cands}
+        promoted = ({**c, "IMPRECISE_ACC": promote} for c in cands if not c.get("IMPRECISE_ACC"))
+        cands += tuple(c for c in promoted if _name(c) not in known)
     if not quick:
         return cands
     names = QUICK_ROWWISE if quick is True else quick
@@ -61,9 +69,10 @@ def _rowwise_candidates(loads: tuple[str, ...], quick: bool | tuple[str, ...]) -
 
 def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
           kernels: tuple[str, ...] = KERNELS, loads: tuple[str, ...] = LOADS,
-          budget_s: float | None = None, quick: bool | tuple[str, ...] = False) -> dict:
+          budget_s: float | None = None, quick: bool | tuple[str, ...] = False, promote: int = 0) -> dict:
     """Time every candidate of `kernels` on every (layer, M); `loads` picks the rowwise loaders swept,
-    `quick` the short rowwise list (True: QUICK_ROWWISE; a tuple: the candidates of those names)."""
+    `quick` the short rowwise list (True: QUICK_ROWWISE; a tuple: the candidates of those names), `promote`
+    adds the promoted form of each (`_rowwise_candidates`)."""
     from deepinfer.kernels import fp8_rowwise as fr
 
     def rowwise(xq: torch.Tensor, xs: torch.Tensor, w: dict, cfg: dict[str, int]) -> torch.Tensor:
@@ -72,7 +81,7 @@ def sweep(layers: dict[str, tuple[int, int]], ms: tuple[int, ...], emit,
         q, s = next(w["row_copies"])
         return fr.rowwise_matmul(xq, xs, q, s, None, torch.bfloat16, cfg)
 
-    table = {"rowwise": (_rowwise_candidates(loads, quick), rowwise, lambda x: fr.quantize_rows(x))}
+    table = {"rowwise": (_rowwise_candidates(loads, quick, promote), rowwise, lambda x: fr.quantize_rows(x))}
     ms = tuple(sorted(ms))
     report: dict = {"skipped_for_budget": []}
     t0 = time.perf_counter()

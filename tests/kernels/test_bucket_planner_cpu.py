@@ -195,6 +195,26 @@ def test_sweep_report_groups_bitwise_classes_and_rates_the_bucket_table(fr):
     assert "agree bitwise: True" in text and "block/o" in text
 
 
+@pytest.mark.parametrize("promote", [0, 128])
+def test_sweep_adds_the_promoted_form_of_each_candidate_by_name(fr, promote):
+    # `--sweep-promote N`: every rowwise candidate also with IMPRECISE_ACC = N, told apart by name, so the
+    # promoted form of each table tile can be timed beside it (benchmarks/fp8_sweep.py).
+    from benchmarks.fp8_sweep import _name, _rowwise_candidates
+
+    plain = _rowwise_candidates(("tma",), False)
+    swept = _rowwise_candidates(("tma",), False, promote)
+    names = [_name(c) for c in swept]
+    assert len(set(names)) == len(names) and swept[:len(plain)] == plain
+    extra = swept[len(plain):]
+    assert all(c["IMPRECISE_ACC"] == promote and "imprecise_acc" in _name(c) for c in extra)
+    promoted = {_name({**c, "IMPRECISE_ACC": promote}) for c in plain
+                if promote and not c.get("IMPRECISE_ACC")}
+    assert {_name(c) for c in extra} == promoted - {_name(c) for c in plain}
+    tile = _name(fr.rowwise_buckets(4096, 14336)[0][1])
+    picked = _rowwise_candidates(("tma",), (tile,), promote)
+    assert [c.get("IMPRECISE_ACC", 0) for c in picked] == [0]
+
+
 @launches("tests/kernels/test_fp8_rowwise_tma_interpreted.py")
 def test_rowwise_tma_and_planner_pass_under_interpreter(request):
     run_interpreted(request, "rowwise FP8 TMA GEMM and planner")
