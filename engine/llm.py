@@ -37,6 +37,7 @@ from deepinfer.engine.runner.prefill_graphs import make_prefill_graphs
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed, sample_seed
+from deepinfer.engine.sample.seed_batch import request_seeds
 from deepinfer.engine.spec_decode.config import MTPConfig
 from deepinfer.engine.spec_decode.setup import MTPLoader, attach_draft_cache
 from deepinfer.engine.spec_decode.step import SpecDecoder
@@ -225,9 +226,11 @@ class LLM:
         return self.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------
-    def _make_seqs(self, index: int, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def _make_seqs(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                   seed: int | None = None) -> list[Sequence]:
         """The request's n sequences (sample i seeded by rng.sample_seed(row seed, i)); ValueError names
-        the request when it cannot run."""
+        the request when it cannot run. `seed`: the row seed when the caller derived it already (it must be
+        `params.seed` or `request_seed`'s)."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -242,7 +245,6 @@ class LLM:
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})")
         self._structured.validate(params)  # compiles a constrained request's grammar; no-op otherwise
-        seed = params.seed
         if seed is None:
             seed = request_seed(self.seed, prompt_ids, params)
         seqs: list[Sequence] = []
@@ -320,8 +322,9 @@ class LLM:
         # enough to set off a full collection (133 ms measured on the H200 host) before the first step.
         with quiet_gc():
             texts, token_lists = self._prompt_items(prompts)
-            pairs = enumerate(zip(token_lists, params_list))
-            groups = [self._make_seqs(i, ids, sp) for i, (ids, sp) in pairs]
+            seeds = request_seeds(self.seed, token_lists, params_list)   # one pass over every prompt
+            rows = enumerate(zip(token_lists, params_list, seeds))
+            groups = [self._make_seqs(i, ids, sp, seed) for i, (ids, sp, seed) in rows]
             return self._run(groups, texts, use_tqdm)
 
     def chat(

@@ -164,10 +164,22 @@ def derive_seed(*parts: Any) -> int:
     little-endian and shifted right by one bit. Uses: the pipeline's row seed `derive_seed(job_seed, row_id)`;
     the engine's default request seed `request_seed(engine_seed, prompt_token_ids, params)`.
     """
-    chunks: list[bytes] = [b"deepinfer-seed/v1|%d|" % len(parts)]
+    return seed_of_encoded(len(parts), [encode_parts(parts)])
+
+
+def encode_parts(parts: SequenceABC[Any]) -> bytes:
+    """The encoding `derive_seed` hashes for `parts`, without its header: their concatenation is the
+    encoding of the concatenated parts (engine/sample/seed_batch.py builds seeds from such pieces)."""
+    chunks: list[bytes] = []
     for part in parts:
         _encode(part, chunks)
-    digest = hashlib.blake2b(b"".join(chunks), digest_size=8, person=b"deepinfer-seed").digest()
+    return b"".join(chunks)
+
+
+def seed_of_encoded(num_parts: int, encoded: list[bytes]) -> int:
+    """`derive_seed`'s seed of `num_parts` parts whose encodings, concatenated, are `encoded`."""
+    data = b"".join([b"deepinfer-seed/v1|%d|" % num_parts, *encoded])
+    digest = hashlib.blake2b(data, digest_size=8, person=b"deepinfer-seed").digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -103,3 +103,20 @@ def test_requests_are_built_with_the_heap_frozen_too(model_dir):
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert len(seen) == 2 and min(seen) > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_a_nested_scope_never_walks_the_frozen_heap(monkeypatch):
+    """gc.get_freeze_count() walks the permanent generation (the whole heap inside a scope): the engine's
+    scope nested in generate's must not call it, and must leave the outer scope's freeze in place."""
+    with quiet_gc():
+        frozen = gc.get_freeze_count()
+
+        def walk() -> int:
+            raise AssertionError("a nested quiet_gc asked for the freeze count")
+
+        monkeypatch.setattr(gc, "get_freeze_count", walk)
+        with quiet_gc():
+            pass
+        monkeypatch.undo()
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
