@@ -49,7 +49,8 @@ from shapes import PARAMS, write_shape
 
 # Arm suffixes (a mode "deterministic+pg+plaingc" takes both): the environment switch each sets for its arm.
 ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eager (no prefill CUDA graphs)"),
-                "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs")}
+                "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs"),
+                "nopdl": ("DEEPINFER_DISABLE_PDL", "plain launches (no programmatic dependent launch)")}
 
 
 @contextlib.contextmanager
@@ -194,7 +195,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
-                    help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC)")
+                    help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), +nopdl")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")

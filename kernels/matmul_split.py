@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges, store_partial
 from deepinfer.kernels.matmul_tma import tma_split_partials, tma_usable
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 
 if TYPE_CHECKING:
     from deepinfer.kernels.matmul import MatmulConfig
@@ -58,7 +59,9 @@ def _bi_linear_split_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, stride_on,
-                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                         SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = 0):
+    wait_for_producers(PDL)
     # out = ((part[0] + part[1]) + part[2]) + ... (+ bias): the same order for every element and every M.
     total = M.to(tl.int64) * N
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -95,6 +98,6 @@ def split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     block = 1024
     _split_reduce_kernel[(triton.cdiv(m * n, block),)](
         part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
-        SPLITS=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        SPLITS=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options(x.device),
     )
     return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, linear_epilogue, split_ranges, store_partial
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 
 
 @functools.cache
@@ -62,11 +63,12 @@ def _bi_linear_tma_kernel(
     M, N, K, stride_om, stride_on,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0,
+    SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     # SPLITS > 1: the serial form of a fixed-order split-K (MatmulConfig.serial_split): the ranges of
     # K_PER_SPLIT k-tiles one after another, each its own chain from zero, summed in range order as they
     # finish: ((p0 + p1) + p2) ..., the bits of the parallel form (_bi_linear_tma_split_kernel + reduce).
+    wait_for_producers(PDL)   # kernels/pdl.py: before any load
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -97,8 +99,9 @@ def _bi_linear_tma_kernel(
 def _bi_linear_tma_split_kernel(
     x_desc, w_desc, part_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    wait_for_producers(PDL)
     # The parallel form: program (tile, split) stores its range's chain into the fp32 partials part[split];
     # kernels/matmul_split's reduce sums them in split order.
     tile = tl.program_id(0)
@@ -139,7 +142,7 @@ def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWIGLU=int(swiglu),
         SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out
 
@@ -156,6 +159,7 @@ def tma_split_partials(x: torch.Tensor, weight: torch.Tensor, part: torch.Tensor
         x_desc, w_desc, part, m, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         K_PER_SPLIT=split_ranges(k, block_k, part.shape[0]), num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
     )
     return part
 

@@ -49,6 +49,7 @@ from deepinfer.kernels._checks import is_power_of_two
 from deepinfer.kernels.attention_plan import build_plan
 from deepinfer.kernels.metadata import KV_CHUNK, plan_cached_on
 from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _paged_attention_kernel
+from deepinfer.kernels.pdl import pdl_options
 from deepinfer.kernels.reference.attention import check_attention_args
 
 if TYPE_CHECKING:
@@ -193,6 +194,6 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])), V_CVT=int(bool(cfg.get("V_CVT", 0) and kv_fp8)),
         PREFETCH=int(bool(cfg.get("PREFETCH", 0) and not cfg["SWAP"])),
         DOT_SUM=int(bool(cfg.get("DOT_SUM", 0) and not cfg["SWAP"])),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
     )
     return out

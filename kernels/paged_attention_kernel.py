@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from deepinfer.kernels.pdl import wait_for_producers
 
 
 @triton.jit
@@ -128,8 +129,9 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
     SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr, V_CVT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
+    wait_for_producers(PDL)   # kernels/pdl.py: before any load
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(plan_ptr + 2 * pid)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 
 # Widest chunk one program holds in registers; rows longer than this are reduced chunk by chunk.
 _MAX_BLOCK = 8192
@@ -52,8 +53,9 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
     H, eps,
     stride_x, stride_r, stride_out, stride_res_out,
-    HAS_RESIDUAL: tl.constexpr, SINGLE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SINGLE_CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    wait_for_producers(PDL)   # kernels/pdl.py: before any load
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -125,6 +127,6 @@ def rms_norm(
             # others, differently in any kernel around the same lines (kernels/fp8_fused_quant.py's norm
             # must give these bits); without it the sum is the source's products and adds in the layout's
             # order. Nothing else here has a multiply feeding an add.
-            num_warps=num_warps, enable_fp_fusion=False,
+            num_warps=num_warps, enable_fp_fusion=False, **pdl_options(x.device),
         )
     return (out, res_out) if residual is not None else out

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels.kv_fp8 import quantize_e4m3
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 from deepinfer.kernels.reference.kv_fp8 import FP8_DTYPE, FP8_MAX
 from deepinfer.kernels.reference.rotary_store import check_rotary_store_args, check_rotary_store_fp8_args
 
@@ -52,8 +53,9 @@ def _rotary_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr, QMAX: tl.constexpr,
+    KV_FP8: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    wait_for_producers(PDL)   # kernels/pdl.py: before any load or store
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -161,6 +163,6 @@ def rotary_store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, NUM_Q_BLOCKS=num_q_blocks, HALF=half,
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, BLOCK_SIZE=k_cache.shape[1],
-        KV_FP8=kv_fp8, QMAX=FP8_MAX, num_warps=4, enable_fp_fusion=False,
+        KV_FP8=kv_fp8, QMAX=FP8_MAX, num_warps=4, enable_fp_fusion=False, **pdl_options(q.device),
     )
     return q_out

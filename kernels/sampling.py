@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 from deepinfer.kernels.reference.sampling import check_sampling_args
 
 try:  # triton >= 3.2 dispatches libdevice by backend; older 3.x only has the CUDA module
@@ -65,8 +66,9 @@ def _sample_chunk_kernel(
     logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_val_ptr, part_idx_ptr, noise_ptr,
     S, V, NUM_SPLITS, stride_logits, stride_params, stride_bitmask,
     HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
-    WRITE_NOISE: tl.constexpr,
+    WRITE_NOISE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    wait_for_producers(PDL)   # kernels/pdl.py: before any load
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(params_ptr + 2 * stride_params + row).to(tl.int32).to(tl.float32, bitcast=True)
@@ -130,7 +132,8 @@ def _sample_chunk_kernel(
 
 @triton.jit
 def _combine_kernel(params_ptr, part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, stride_params,
-                    BLOCK_SPLITS: tl.constexpr):
+                    BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_SPLITS)
     ok = s < NUM_SPLITS
@@ -211,8 +214,9 @@ def _launch(logits: torch.Tensor, row_params: torch.Tensor, bitmask: torch.Tenso
         logits, row_params, mask_t, slots_t, part_val, part_idx, noise if noise is not None else part_val,
         s, v, num_splits, logits.stride(0), row_params.stride(0), mask_t.stride(0),
         HAS_MASK=bitmask is not None, SPLIT=split, BLOCK=_BLOCK, LIBDEVICE=not _interpreted(),
-        WRITE_NOISE=noise is not None, num_warps=warps,
+        WRITE_NOISE=noise is not None, num_warps=warps, **pdl_options(logits.device),
     )
     _combine_kernel[(s,)](row_params, part_val, part_idx, out, num_splits, row_params.stride(0),
-                          BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=1)
+                          BLOCK_SPLITS=triton.next_power_of_2(num_splits), num_warps=1,
+                          **pdl_options(logits.device))
     return out

@@ -107,3 +107,23 @@ def test_graphs_under_preemption_and_chunked_prefill(model):
 def test_env_var_turns_graphs_off(model, monkeypatch):
     monkeypatch.setenv("DEEPINFER_DISABLE_CUDA_GRAPHS", "1")
     assert _llm(model).get_stats()["cuda_graphs_enabled"] is False
+
+
+def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch):
+    """kernels/pdl.py: the decode path's kernels launched early (each waits for its producers before any
+    memory access) give the bits of plain launches, in graphs and eagerly."""
+    from deepinfer.kernels.pdl import pdl_options
+
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl_options(torch.device("cuda")), "PDL should be on by default on sm_90+"
+    sizes = (1, 7, 64)
+    monkeypatch.setenv("DEEPINFER_DISABLE_PDL", "1")
+    plain = _llm(model)
+    reference = {n: _outputs(plain, n) for n in sizes}
+    del plain
+    monkeypatch.delenv("DEEPINFER_DISABLE_PDL")
+    for graphs in (True, False):
+        llm = _llm(model, enable_cuda_graphs=graphs)
+        for n in sizes:
+            assert _outputs(llm, n) == reference[n], f"PDL (graphs={graphs}) differs at batch {n}"
+        del llm
