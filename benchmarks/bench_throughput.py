@@ -195,7 +195,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
-                    help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), +nopdl")
+                    help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
+                         "+nopdl (no PDL)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
