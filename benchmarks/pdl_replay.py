@@ -83,7 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     out = JsonOut(args.out)
     report = {"bench": "pdl_replay", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "shapes": {}}
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+              "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             res = bench_shape(shape, Path(tmp), args.batch, args.prompt_len, args.rounds, args.replays)
