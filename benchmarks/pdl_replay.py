@@ -27,9 +27,13 @@ ARMS = {"pdl": "deterministic", "nopdl": "deterministic+nopdl"}
 
 
 def decode_graph(llm, bucket: int) -> torch.cuda.CUDAGraph:
+    """The engine's captured decode graph of `bucket` rows, its input ids set to a valid token: after a run
+    the overlapped loop may leave placeholders there (filled on the device only by the step that reads
+    them), and the graph replays whatever its static buffers hold."""
     graphs = llm.engine.executor.graphs
     if graphs is None or bucket not in graphs._graphs:
         raise SystemExit(f"no captured decode graph for bucket {bucket} (CUDA graphs off?)")
+    graphs.buffers.input_ids[:bucket].fill_(100)
     return graphs._graphs[bucket][0]
 
 
