@@ -12,11 +12,12 @@ once in the epilogue. The math is `fp8_linear_ref` with a single K-group (kernel
 Accumulation precision: every table config has IMPRECISE_ACC = 0, Triton's default, which on sm_90 is
 2^30, i.e. the tensor core's FP8 partial sums are never promoted to a full fp32 add (the fast accumulation
 vLLM's per-channel FP8 kernels use too; torch._scaled_mm's default promotes). On random data the result is
-within 2% of the float64 reference; on rows that correlate with a weight row (all products of a sum of the
-same sign) it lands low: 6-7% at K = 4,096 and 18% at K = 14,336 when the rows are the weight's own rows
-(benchmarks/RESULTS.md, 2026-12-02 02:20 and 2026-12-03 19:40 UTC). IMPRECISE_ACC = 128 promotes after every
-K tile (DeepSeek-V3's choice for its FP8 GEMMs); its speed on the 8B shapes is not yet measured, so it is
-a candidate, not the default.
+within 2% of the float64 reference at K = 4,096 (4% at 14,336); on rows that correlate with a weight row
+(all products of a sum of the same sign) it lands low: 6-7% at K = 4,096 and 18-19% at K = 14,336 when the
+rows are the weight's own rows. IMPRECISE_ACC = 128 promotes after every K tile (DeepSeek-V3's choice for
+its FP8 GEMMs): below 0.5% in every case, but 1.24-1.53x the time of the best default tile at M = 256 and
+~1.4x in prefill on the 8B shapes, so it stays a candidate, not the default (benchmarks/RESULTS.md,
+2026-12-02 02:20, 2026-12-03 19:40 and 21:58 UTC; benchmarks/fp8_rowwise_accuracy.py).
 
 Batch invariance (`invariant=True`): the row scale is row-local (its max is exact whatever the chunking),
 K is walked in increasing order with no split-K and rows past M read row 0 and are never stored, so a row's
