@@ -36,8 +36,12 @@ def request_seeds(engine_seed: int, prompts: SequenceABC[SequenceABC[int]],
         return seeds   # type: ignore[return-value]
     ids = _id_matrix_input([prompts[i] for i in todo])
     if ids is None:   # outside the vectorised path: the contract's own code, request by request
-        return [request_seed(engine_seed, prompts[i], p) if s is None else s
-                for i, (s, p) in enumerate(zip(seeds, params_list))]
+        for i in todo:
+            try:
+                seeds[i] = request_seed(engine_seed, prompts[i], params_list[i])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return seeds   # type: ignore[return-value]
     text, ends = _encode_ids(ids, [len(prompts[i]) for i in todo])
     head = encode_parts([engine_seed])
     fingerprints: dict[int, bytes] = {}      # one fingerprint per distinct params object
@@ -46,7 +50,10 @@ def request_seeds(engine_seed: int, prompts: SequenceABC[SequenceABC[int]],
         params = params_list[i]
         fp = fingerprints.get(id(params))
         if fp is None:
-            fp = fingerprints[id(params)] = encode_parts([params_fingerprint(params)])
+            try:
+                fp = fingerprints[id(params)] = encode_parts([params_fingerprint(params)])
+            except ValueError as e:   # a parameter no seed can be derived from (e.g. temperature=inf)
+                raise ValueError(f"prompt {i}: {e}") from None
         n = len(prompts[i])
         seeds[i] = seed_of_encoded(3, [head, b"l%d:" % n, text[start:end], fp])
         start = end

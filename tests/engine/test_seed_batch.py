@@ -54,3 +54,10 @@ def test_counts_must_match(params):
 
 def test_all_seeded_needs_no_encoding():
     assert request_seeds(0, [[1], ["not an id"]], [SEEDED, SEEDED]) == [1234, 1234]
+
+
+@pytest.mark.parametrize("prompts", [[[1, 2], [3, 4]], [[1, 2], [True, 4]]])   # vectorised and fallback paths
+def test_a_parameter_no_seed_can_come_from_names_its_prompt(prompts):
+    bad = SamplingParams(temperature=float("inf"))
+    with pytest.raises(ValueError, match=r"prompt 1: SamplingParams.temperature=inf cannot be fingerprinted"):
+        request_seeds(0, prompts, [GREEDY, bad])
