@@ -7,7 +7,7 @@ still running; it then waits (`griddepcontrol.wait`) until the predecessor has f
 visible. Every kernel here that takes PDL calls `wait_for_producers` before it touches memory, so only its
 launch and the setup of its programs overlap the predecessor: no read can see stale data and no write can
 land under a predecessor's read. The arithmetic is untouched, so every result keeps its bits (checked by
-tests/engine/test_pdl_gpu.py).
+tests/engine/test_cuda_graphs_gpu.py).
 
 `pdl_options(device)` gives the launch arguments: `{}` off CUDA, before sm_90, under the CPU interpreter,
 where this Triton lacks the instructions, or with $DEEPINFER_DISABLE_PDL=1 (A/B runs); else the kernel's

@@ -115,12 +115,13 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 _POWERS_OF_TEN = [10**k for k in range(1, 19)]
 _digits_less_one = partial(bisect_right, _POWERS_OF_TEN)      # non-negative ints below 10**18
 _INT_TAGS = [f"i{k}:" for k in range(1, 20)]                   # `_encode`'s tag of an int of k digits
+ONE_PASS_ID_LIMIT = _POWERS_OF_TEN[-1]   # token ids below this are formatted in one pass (seed_batch too)
 
 
 def _token_ids(part: Any) -> bool:
-    """A non-empty list or tuple of plain ints in [0, 10**18): `_encode`'s one-pass case."""
+    """A non-empty list or tuple of plain ints in [0, ONE_PASS_ID_LIMIT): `_encode`'s one-pass case."""
     return (isinstance(part, (list, tuple)) and len(part) > 0 and set(map(type, part)) == {int}
-            and min(part) >= 0 and max(part) < _POWERS_OF_TEN[-1])
+            and min(part) >= 0 and max(part) < ONE_PASS_ID_LIMIT)
 
 
 def _encode(part: Any, out: list[bytes]) -> None:
@@ -234,3 +235,11 @@ def request_seed(engine_seed: int, prompt_token_ids: SequenceABC[int], params: S
     if params.seed is not None:
         return params.seed
     return derive_seed(engine_seed, list(prompt_token_ids), params_fingerprint(params))
+
+
+def request_seed_of_encoded(engine_seed_part: bytes, num_ids: int, ids_text: bytes,
+                            fingerprint_part: bytes) -> int:
+    """`request_seed`'s derivation from pieces encoded apart: `encode_parts([engine_seed])`, the prompt's
+    length and the concatenated `_encode` text of its ids (without the list tag), and
+    `encode_parts([params_fingerprint(params)])`."""
+    return seed_of_encoded(3, [engine_seed_part, b"l%d:" % num_ids, ids_text, fingerprint_part])

@@ -7,8 +7,9 @@ Why: `derive_seed` hashes a type-tagged decimal text of the prompt ("i6:151234i3
 (the 0.5B benchmark's whole run is ~0.8 s on the H200). Here the text of all ids is built as one uint8
 matrix — a row per id: "i", the digit count's one or two digits, ":", the id's digits right-aligned, zero
 bytes as padding — whose non-zero bytes, in order, are exactly that text; each prompt's slice of it then
-goes into the same BLAKE2b as `derive_seed`. Prompts the vectorised path does not cover (ids that are not
-plain ints in [0, 10**18), e.g. bools, which the contract encodes as "T"/"F") take `request_seed` itself.
+goes into the same BLAKE2b as `derive_seed` (`rng.request_seed_of_encoded`). Prompts the vectorised path does
+not cover (ids that are not plain ints in [0, rng.ONE_PASS_ID_LIMIT), e.g. bools, which the contract encodes
+as "T"/"F") take `request_seed` itself.
 """
 
 from __future__ import annotations
@@ -18,9 +19,14 @@ from itertools import chain
 
 import numpy as np
 from deepinfer.engine.sample.params import SamplingParams
-from deepinfer.engine.sample.rng import encode_parts, params_fingerprint, request_seed, seed_of_encoded
+from deepinfer.engine.sample.rng import (
+    ONE_PASS_ID_LIMIT,
+    encode_parts,
+    params_fingerprint,
+    request_seed,
+    request_seed_of_encoded,
+)
 
-_MAX_ID = 10**18             # `rng._encode`'s one-pass range: ids of at most 18 digits
 _ZERO, _COLON, _I = 48, 58, 105   # ASCII "0", ":", "i"
 
 
@@ -54,15 +60,15 @@ def request_seeds(engine_seed: int, prompts: SequenceABC[SequenceABC[int]],
                 fp = fingerprints[id(params)] = encode_parts([params_fingerprint(params)])
             except ValueError as e:   # a parameter no seed can be derived from (e.g. temperature=inf)
                 raise ValueError(f"prompt {i}: {e}") from None
-        n = len(prompts[i])
-        seeds[i] = seed_of_encoded(3, [head, b"l%d:" % n, text[start:end], fp])
+        seeds[i] = request_seed_of_encoded(head, len(prompts[i]), text[start:end], fp)
         start = end
     return seeds   # type: ignore[return-value]   (every None was filled)
 
 
 def _id_matrix_input(lists: list[SequenceABC[int]]) -> np.ndarray | None:
     """All ids of `lists` as one int64 array, or None when some list is empty or holds anything but plain
-    ints in [0, 10**18) (the cases `rng._encode` does not format in its one-pass form)."""
+    ints in [0, ONE_PASS_ID_LIMIT) (the cases `rng._encode` does not format in its one-pass form; its own
+    check, `rng._token_ids`, takes Python's min and max: twice this range check's time here)."""
     if not all(lists):
         return None
     flat = list(chain.from_iterable(lists))
@@ -72,7 +78,7 @@ def _id_matrix_input(lists: list[SequenceABC[int]]) -> np.ndarray | None:
         arr = np.array(flat, dtype=np.int64)
     except OverflowError:
         return None
-    if arr.min() < 0 or arr.max() >= _MAX_ID:
+    if arr.min() < 0 or arr.max() >= ONE_PASS_ID_LIMIT:
         return None
     return arr
 
