@@ -9,8 +9,9 @@ against today's path, `Sampler(use_kernel=False)` (after kernels/masking.py's ma
 case), on the same logits and metadata (triton.testing.do_bench, median ms), checks their ids are equal, and
 reports GB/s of logits read by the kernel path and the host time of building the step's metadata
 (SamplingMetadata.from_params, with the kernel fields). Cases: temperature sampling, greedy, temperature
-with a grammar bitmask on every row (fused into the kernel), and a mix where 1 row in 8 uses top-p (those
-rows keep the torch draw).
+with a grammar bitmask on every row (fused into the kernel), a mix where 1 row in 8 uses top-p, and rows
+that all filter (kernels/sampling_filter.py against the torch path's sort): top-p 0.9, top-k 50 with
+top-p 0.95 (tests/engine/test_gpu_determinism.py's parameters), min-p 0.05.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import time
 import torch
 
 DEV = "cuda"
+FILTERS = {"top_p": dict(temperature=0.8, top_p=0.9),
+           "top_k_top_p": dict(temperature=0.9, top_k=50, top_p=0.95),
+           "min_p": dict(temperature=0.7, min_p=0.05)}
 
 
 def _ms(fn) -> float:
@@ -42,6 +46,8 @@ def _case(name: str, rows: int, vocab: int, seed: int = 0) -> dict:
         params = [SP(temperature=0.0)] * rows
     elif name == "mixed_top_p":
         params = [SP(temperature=0.8, top_p=0.9) if i % 8 == 0 else SP(temperature=0.8) for i in range(rows)]
+    elif name in FILTERS:
+        params = [SP(**FILTERS[name])] * rows
     else:
         params = [SP(temperature=0.8)] * rows
     seeds = [rng.randrange(2**63) for _ in range(rows)]
@@ -93,7 +99,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--cases", nargs="+",
-                    default=["temperature", "greedy", "temperature_bitmask", "mixed_top_p"])
+                    default=["temperature", "greedy", "temperature_bitmask", "mixed_top_p", *FILTERS])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     results = []

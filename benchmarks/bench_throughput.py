@@ -50,7 +50,21 @@ from shapes import PARAMS, write_shape
 # Arm suffixes (a mode "deterministic+pg+plaingc" takes both): the environment switch each sets for its arm.
 ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eager (no prefill CUDA graphs)"),
                 "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs"),
-                "nopdl": ("DEEPINFER_DISABLE_PDL", "plain launches (no programmatic dependent launch)")}
+                "nopdl": ("DEEPINFER_DISABLE_PDL", "plain launches (no programmatic dependent launch)"),
+                "nosk": ("DEEPINFER_DISABLE_SAMPLING_KERNEL", "the torch sampler (no sampling kernels)")}
+# Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
+ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
+                         "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9")}
+
+
+def arm_sampling(mode: str, max_tokens: int):
+    """The SamplingParams of arm `mode`'s runs: greedy, or what its ARM_SAMPLING suffix names."""
+    from deepinfer.engine import SamplingParams
+
+    fields = {"temperature": 0.0}
+    for suffix in mode.split("+")[1:]:
+        fields = ARM_SAMPLING[suffix][0] if suffix in ARM_SAMPLING else fields
+    return SamplingParams(**fields, max_tokens=max_tokens, ignore_eos=True)
 
 
 @contextlib.contextmanager
@@ -58,7 +72,7 @@ def arm_env(mode: str):
     """The environment of arm `mode` ("deterministic" or "fast", then "+suffix"es of ARM_SWITCHES), set for
     the arm's whole life (the engine reads some switches when it is built, others per run)."""
     _, *suffixes = mode.split("+")
-    names = [ARM_SWITCHES[x][0] for x in suffixes]
+    names = [ARM_SWITCHES[x][0] for x in suffixes if x in ARM_SWITCHES]
     saved = {n: os.environ.pop(n, None) for n in (v[0] for v in ARM_SWITCHES.values())}
     os.environ.update({n: "1" for n in names})
     try:
@@ -93,11 +107,9 @@ def make_llm(model_dir: Path, prompts, output_len: int, deterministic: bool, pre
 def bench_deepinfer(model_dir: Path, prompts, output_len: int, deterministic: bool, runs: int,
                     profile_steps: bool, out: JsonOut, mode: str, prefix_cache: bool = False,
                     quant: dict | None = None, step_tokens: int = 16384) -> dict:
-    from deepinfer.engine import SamplingParams
-
     with arm_env(mode):
         llm = make_llm(model_dir, prompts, output_len, deterministic, prefix_cache, quant, step_tokens)
-        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        sp = arm_sampling(mode, output_len)
         rec = StepRecorder(llm)
         seconds, first = measure_runs(llm, prompts, sp, rec, runs, out, mode)
         result = _result(llm, rec, seconds, first)
@@ -111,22 +123,20 @@ def bench_interleaved(model_dir: Path, prompts, output_len: int, modes: list[str
     """Every deepinfer arm's engine built first (each with a KV cache sized for this workload, so they fit
     side by side), warmed up, then run i of every arm before run i + 1 of any: a slow stretch of the
     shared host lands on all arms alike instead of on whichever arm was running."""
-    from deepinfer.engine import SamplingParams
-
     blocks = len(prompts) * -(-(len(prompts[0]) + output_len + 16) // 16) + 64
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     arms = {}
     for mode in modes:
         with arm_env(mode):
             llm = make_llm(model_dir, prompts, output_len, mode.startswith("deterministic"), prefix_cache,
                            quant, step_tokens, kv_blocks=blocks)
             rec = StepRecorder(llm)
-            timed_generate(llm, prompts, sp, rec)
+            timed_generate(llm, prompts, arm_sampling(mode, output_len), rec)
             rec.reset()
             arms[mode] = (llm, rec, [], None)
     for i in range(runs):
         for mode, (llm, rec, seconds, first) in arms.items():
             with arm_env(mode):
+                sp = arm_sampling(mode, output_len)
                 dt, toks = measured_run(llm, prompts, sp, rec, out, mode, i, first)
             seconds.append(dt)
             arms[mode] = (llm, rec, seconds, first or toks)
@@ -196,7 +206,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
-                         "+nopdl (no PDL)")
+                         "+nopdl (no PDL), +nosk (torch sampler), +topp (top-k 50 / top-p 0.95 sampling)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")
@@ -239,9 +249,10 @@ def main() -> None:
     modes = args.modes.split(",")
     for mode in modes:
         base, *suffixes = mode.split("+")
-        unknown = base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES for x in suffixes)
+        unknown = base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES and x not in ARM_SAMPLING
+                                                                for x in suffixes)
         if mode != "hf" and unknown:
-            known = ", ".join(f"+{k} ({v[1]})" for k, v in ARM_SWITCHES.items())
+            known = ", ".join(f"+{k} ({v[1]})" for k, v in {**ARM_SWITCHES, **ARM_SAMPLING}.items())
             raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
     together = {}
     if args.interleave:

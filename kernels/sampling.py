@@ -50,7 +50,24 @@ def _mix64(z):
 
 
 @triton.jit
-def _masked_logits(row_logits_ptr, row_words_ptr, idx, in_range, slot, HAS_MASK: tl.constexpr):
+def row_key(seed, pos):
+    """uint64 key of a row's noise stream from its int64 seed and output position (rng.py's row_keys)."""
+    key = _mix64(seed.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15)
+    return _mix64(key + (pos.to(tl.uint64, bitcast=True) + 1) * 0xD1B54A32D192ED03)
+
+
+@triton.jit
+def gumbel(key, idx, LIBDEVICE: tl.constexpr):
+    """float64 Gumbel noise -log(-log u) of tokens idx in the stream `key` (rng.py's gumbel_noise)."""
+    bits = _mix64(key + (idx.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+    u = ((bits >> 12).to(tl.int64).to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52
+    if LIBDEVICE:
+        return -libdevice.log(-libdevice.log(u))
+    return -tl.log(-tl.log(u))   # Triton's interpreter has no libdevice; numpy's log stands in
+
+
+@triton.jit
+def masked_logits(row_logits_ptr, row_words_ptr, idx, in_range, slot, HAS_MASK: tl.constexpr):
     # The row's logits at idx as float32 (-inf out of range), -inf where the row's grammar bitmask (slot >= 0)
     # clears the token's bit.
     x = tl.load(row_logits_ptr + idx, mask=in_range, other=float("-inf")).to(tl.float32)
@@ -80,10 +97,7 @@ def _sample_chunk_kernel(
     best_i = start + lane
     nan_i = tl.full([BLOCK], 2**31 - 1, tl.int32)
     if temp >= 0.0:   # temp < 0: the caller samples this row elsewhere
-        seed = tl.load(params_ptr + row).to(tl.uint64, bitcast=True)
-        pos = tl.load(params_ptr + stride_params + row).to(tl.uint64, bitcast=True)
-        key = _mix64(seed + 0x9E3779B97F4A7C15)
-        key = _mix64(key + (pos + 1) * 0xD1B54A32D192ED03)
+        key = row_key(tl.load(params_ptr + row), tl.load(params_ptr + stride_params + row))
         slot = -1
         if HAS_MASK:
             slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -94,7 +108,7 @@ def _sample_chunk_kernel(
             for off in range(0, SPLIT, BLOCK):
                 idx = start + off + lane
                 in_range = idx < V   # out-of-range lanes load -inf: never better, never NaN
-                x = _masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
+                x = masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
                                    in_range, slot, HAS_MASK)
                 nan_i = tl.minimum(nan_i, tl.where(x != x, idx, 2**31 - 1))
                 better = x > best32   # false for NaN: NaNs are tracked by nan_i only
@@ -105,14 +119,9 @@ def _sample_chunk_kernel(
             for off in range(0, SPLIT, BLOCK):
                 idx = start + off + lane
                 in_range = idx < V
-                x = _masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
+                x = masked_logits(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, idx,
                                    in_range, slot, HAS_MASK)
-                bits = _mix64(key + (idx.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
-                u = ((bits >> 12).to(tl.int64).to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52
-                if LIBDEVICE:
-                    noise = -libdevice.log(-libdevice.log(u))
-                else:   # Triton's interpreter has no libdevice; numpy's log stands in
-                    noise = -tl.log(-tl.log(u))
+                noise = gumbel(key, idx, LIBDEVICE)
                 if WRITE_NOISE:   # tests only: the noise itself, to compare with rng.py bit for bit
                     tl.store(noise_ptr + row * V + idx, noise, mask=in_range)
                 score = tl.math.div_rn(x, temp).to(tl.float64) + noise

@@ -174,11 +174,12 @@ class Sampler:
     `bitmask` (int32 [slots, ceil(V/32)]) with `bitmask_slots` (int [S], -1 = unconstrained) masks rows here
     instead of in the caller: disallowed tokens count as -inf logits everywhere, logprobs included.
 
-    The one-pass kernel (kernels/sampling.py) draws the greedy and plain-temperature rows when `use_kernel`
-    allows it (None: CUDA logits, Triton present, env DEEPINFER_DISABLE_SAMPLING_KERNEL unset or 0; True:
-    any device, e.g. CPU under TRITON_INTERPRET=1; False: never) and the metadata was built `for_kernel`.
-    It gives the torch path's ids bit for bit (tests/kernels/test_sampling_*.py); rows with top-k/top-p/
-    min-p keep the torch draw, run on those rows only, and penalties/min_tokens are applied by torch before.
+    The kernels draw every row when `use_kernel` allows it (None: CUDA logits, Triton present, env
+    DEEPINFER_DISABLE_SAMPLING_KERNEL unset or 0; True: any device, e.g. CPU under TRITON_INTERPRET=1;
+    False: never) and the metadata was built `for_kernel`: kernels/sampling.py the greedy and
+    plain-temperature rows in one read of the logits, kernels/sampling_filter.py the rows with top-k/
+    top-p/min-p (no sort). Both give the torch path's ids bit for bit (tests/kernels/test_sampling_*.py);
+    penalties and min_tokens are applied by torch before, on a float32 copy of the logits.
     """
 
     def __init__(self, use_kernel: bool | None = None) -> None:
@@ -199,8 +200,8 @@ class Sampler:
         if (bitmask is None) != (bitmask_slots is None):
             raise ValueError("Sampler: pass bitmask and bitmask_slots together (or neither)")
         kernel = self._kernel_on(logits, meta)
-        # The kernel masks in its one pass; every other consumer of the logits needs them masked first.
-        fuse_mask = kernel and meta.filtered is None and not meta.needs_logprobs
+        # The kernels mask as they read; every other consumer of the logits needs them masked first.
+        fuse_mask = kernel and not meta.needs_logprobs
         if bitmask is not None and bitmask_slots is not None and not fuse_mask:
             logits = apply_bitmask_ref(logits.to(torch.float32), bitmask, bitmask_slots)
             bitmask = bitmask_slots = None
@@ -232,6 +233,7 @@ class Sampler:
     def _kernel_call(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None,
                      bitmask_slots: torch.Tensor | None) -> SamplerOutput:
         from deepinfer.kernels.sampling import sample_tokens
+        from deepinfer.kernels.sampling_filter import sample_filtered
 
         assert meta.row_params is not None
         work = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -243,9 +245,12 @@ class Sampler:
                 apply_blocked(work, meta.blocked_rows, meta.blocked_tokens)
         token_ids = sample_tokens(work, meta.row_params, bitmask, bitmask_slots)
         if meta.filtered is not None:
-            # Rows with top-k/top-p/min-p: the kernel skipped them (T < 0); the torch draw fills them in.
-            drawn = self._draw(work.to(torch.float32), meta.filtered)
-            token_ids.index_copy_(0, meta.filtered.sample_rows, drawn)
+            # Rows with top-k/top-p/min-p: the one-pass kernel skipped them (T < 0); the filter kernel
+            # draws them (one program per row).
+            f = meta.filtered
+            drawn = sample_filtered(work, f.sample_rows, f.temperature, f.seeds, f.positions, f.top_k,
+                                    f.top_p, f.min_p, bitmask, bitmask_slots)
+            token_ids.index_copy_(0, f.sample_rows, drawn)
         logprobs: list[dict[int, float] | None] = [None] * meta.num_rows
         if meta.needs_logprobs:
             logprobs = self._logprobs(logits.to(torch.float32), token_ids, meta)

@@ -10,3 +10,8 @@ from tests.support.interpreted import launches, run_interpreted
 @launches("tests/kernels/test_sampling_interpreted.py")
 def test_sampling_kernel_passes_under_interpreter(request):
     run_interpreted(request, "sampling-kernel", allow_skips=False)
+
+
+@launches("tests/kernels/test_sampling_filter_interpreted.py")
+def test_filter_sampling_kernel_passes_under_interpreter(request):
+    run_interpreted(request, "filter-sampling-kernel", allow_skips=False)
