@@ -2,11 +2,12 @@
 
 A filtered row (kernels/sampling_filter.py) is read by programs (row, chunk), CHUNK tokens each, so a
 batch of one row still spreads over the GPU:
-  1. `_chunk_max_kernel`: each chunk's max of x = logits / T.
-  2. `_chunk_bands_kernel`: the row's max from the chunks' (exact), then per band j (tokens with
-     x >= max - 0.5 * 2**(5j/7), j < 8: 0.5 ... 16 below the max) the chunk's count and int64 fixed-point
-     mass, its total mass and the lowest x that min-p keeps.
-  3. `_chunk_copy_kernel`: every program reduces the bands over the row's chunks and picks (`decide`) the
+  1. `chunk_max_kernel`: each chunk's max of x = logits / T.
+  2. `chunk_bands_kernel`: the row's max from the chunks' (exact), then per band j (tokens with
+     x >= max - 0.5 * 2**(5j/7), j < 8: 0.5 ... 16 below the max) the chunk's count; for a top-p row
+     without top-k also each band's int64 fixed-point mass and the chunk's total; with min-p the lowest x
+     it keeps.
+  3. `chunk_copy_kernel`: every program reduces the bands over the row's chunks and picks (`decide`) the
      narrowest band that holds every token the row can keep, if it holds at most SORT tokens; each chunk
      then copies its tokens of that band to the row's buffer, at the offset the earlier chunks' counts give.
 Counts and masses are integer sums and max/min are exact, so every program of a row decides the same band
@@ -18,7 +19,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from deepinfer.kernels.pdl import wait_for_producers
-from deepinfer.kernels.sampling_radix import exp32, key_of, scaled_logits
+from deepinfer.kernels.sampling_radix import exp32, fixed_mass, key_of, scaled_logits
+
+
+@triton.jit
+def filter_row(params_ptr, stride_params, f):
+    """Filtered row f's (row, seed, position, k, T, top-p, min-p) from the packed parameters
+    (kernels/reference/sampling.py's pack_filter_params)."""
+    p = params_ptr + f
+    temp = tl.load(p + 4 * stride_params).to(tl.int32).to(tl.float32, bitcast=True)
+    top_p = tl.load(p + 5 * stride_params).to(tl.float64, bitcast=True)
+    min_p = tl.load(p + 6 * stride_params).to(tl.int32).to(tl.float32, bitcast=True)
+    return (tl.load(p), tl.load(p + stride_params), tl.load(p + 2 * stride_params),
+            tl.load(p + 3 * stride_params), temp, top_p, min_p)
 
 
 @triton.jit
@@ -63,19 +76,18 @@ def decide(part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, f, NC, V, k, 
 
 
 @triton.jit
-def _chunk_max_kernel(logits_ptr, rows_ptr, temp_ptr, bitmask_ptr, slots_ptr, part_max_ptr, V, NC,
+def chunk_max_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_ptr, V, NC, stride_params,
                       stride_logits, stride_bitmask, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
     f = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    row = tl.load(rows_ptr + f)
+    row, _, _, _, temp, _, _ = filter_row(params_ptr, stride_params, f)
     slot = -1
     if HAS_MASK:
         slot = tl.load(slots_ptr + row).to(tl.int64)
     lrow = logits_ptr + row * stride_logits
     wrow = bitmask_ptr + slot * stride_bitmask
-    temp = tl.load(temp_ptr + f)
     lane = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
@@ -85,24 +97,25 @@ def _chunk_max_kernel(logits_ptr, rows_ptr, temp_ptr, bitmask_ptr, slots_ptr, pa
 
 
 @triton.jit
-def _chunk_bands_kernel(logits_ptr, rows_ptr, temp_ptr, min_p_ptr, bitmask_ptr, slots_ptr, part_max_ptr,
-                        part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, V, NC, stride_logits,
+def chunk_bands_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_ptr, part_cnt_ptr,
+                        part_mas_ptr, part_tot_ptr, part_low_ptr, V, NC, stride_params, stride_logits,
                         stride_bitmask, scale, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
                         HBLOCK: tl.constexpr, NCP: tl.constexpr, NB: tl.constexpr, LIBDEVICE: tl.constexpr,
                         PDL: tl.constexpr = 0):
     wait_for_producers(PDL)
     f = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    row = tl.load(rows_ptr + f)
+    row, _, _, k, temp, top_p, min_p = filter_row(params_ptr, stride_params, f)
     slot = -1
     if HAS_MASK:
         slot = tl.load(slots_ptr + row).to(tl.int64)
     lrow = logits_ptr + row * stride_logits
     wrow = bitmask_ptr + slot * stride_bitmask
-    temp = tl.load(temp_ptr + f)
-    min_p = tl.load(min_p_ptr + f)
     top = row_top(part_max_ptr, f, NC, NCP)
     thr = band_thresholds(top, NB)
+    # Masses only where `decide` reads them (top-p without top-k), min-p's lowest x only with min-p: a
+    # top-k row's pass is comparisons and counts.
+    need_mass = (k >= V) & (top_p < 1.0)
     lane = tl.arange(0, HBLOCK)
     cnt = tl.zeros([HBLOCK, NB], tl.int32)
     mas = tl.zeros([HBLOCK, NB], tl.int64)
@@ -112,13 +125,14 @@ def _chunk_bands_kernel(logits_ptr, rows_ptr, temp_ptr, min_p_ptr, bitmask_ptr, 
         idx = off + lane
         ok = idx < V
         x = scaled_logits(lrow, wrow, idx, ok, slot, temp, HAS_MASK)
-        e = exp32(x - top, LIBDEVICE)
-        m = (e * scale).to(tl.int64)   # sampling_radix.fixed_mass; 0 out of range (x = -inf)
-        tot += m
-        low = tl.minimum(low, tl.where(ok & (e >= min_p), x, float("inf")))
         inb = ok[:, None] & (x[:, None] >= thr[None, :])
         cnt += inb.to(tl.int32)
-        mas += tl.where(inb, m[:, None], 0)
+        if need_mass:
+            m = fixed_mass(x, top, scale, LIBDEVICE)   # 0 out of range (x = -inf)
+            tot += m
+            mas += tl.where(inb, m[:, None], 0)
+        if min_p > 0.0:
+            low = tl.minimum(low, tl.where(ok & (exp32(x - top, LIBDEVICE) >= min_p), x, float("inf")))
     js = tl.arange(0, NB)
     at = (f * NC + chunk) * NB + js
     tl.store(part_cnt_ptr + at, tl.sum(cnt, 0))
@@ -128,30 +142,29 @@ def _chunk_bands_kernel(logits_ptr, rows_ptr, temp_ptr, min_p_ptr, bitmask_ptr, 
 
 
 @triton.jit
-def _chunk_copy_kernel(logits_ptr, rows_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, bitmask_ptr,
-                       slots_ptr, part_max_ptr, part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr,
-                       buf_ptr, buf_stride, V, NC, stride_logits, stride_bitmask,
-                       HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCP: tl.constexpr,
-                       NB: tl.constexpr, SORT: tl.constexpr, PDL: tl.constexpr = 0):
+def chunk_copy_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_ptr, part_cnt_ptr,
+                       part_mas_ptr, part_tot_ptr, part_low_ptr, buf_ptr, buf_stride, V, NC, stride_params,
+                       stride_logits, stride_bitmask, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK: tl.constexpr, NCP: tl.constexpr, NB: tl.constexpr, SORT: tl.constexpr,
+                       PDL: tl.constexpr = 0):
     wait_for_producers(PDL)
     f = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    row, _, _, k, temp, top_p, min_p = filter_row(params_ptr, stride_params, f)
     top = row_top(part_max_ptr, f, NC, NCP)
     thr = band_thresholds(top, NB)
-    j, _, _ = decide(part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, f, NC, V, tl.load(top_k_ptr + f),
-                     tl.load(top_p_ptr + f), tl.load(min_p_ptr + f), thr, NCP, NB, SORT)
+    j, _, _ = decide(part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, f, NC, V, k, top_p, min_p, thr,
+                     NCP, NB, SORT)
     if j < NB:
         js = tl.arange(0, NB)
         t = tl.sum(tl.where(js == j, thr, 0.0), 0)
         c = tl.arange(0, NCP)
         n = tl.sum(tl.load(part_cnt_ptr + (f * NC + c) * NB + j, mask=c < chunk, other=0), 0)
-        row = tl.load(rows_ptr + f)
         slot = -1
         if HAS_MASK:
             slot = tl.load(slots_ptr + row).to(tl.int64)
         lrow = logits_ptr + row * stride_logits
         wrow = bitmask_ptr + slot * stride_bitmask
-        temp = tl.load(temp_ptr + f)
         buf = buf_ptr + f * buf_stride
         lane = tl.arange(0, BLOCK)
         for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):

@@ -24,17 +24,20 @@ Imported only from the CUDA path (or under TRITON_INTERPRET=1): it imports Trito
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 from deepinfer.kernels.sampling import gumbel, row_key
 from deepinfer.kernels.sampling_bands import (
-    _chunk_bands_kernel,
-    _chunk_copy_kernel,
-    _chunk_max_kernel,
     band_thresholds,
+    chunk_bands_kernel,
+    chunk_copy_kernel,
+    chunk_max_kernel,
     decide,
+    filter_row,
     row_top,
 )
 from deepinfer.kernels.sampling_radix import exp32, fixed_mass, radix_draw, value_of
@@ -43,6 +46,7 @@ _CHUNK = 8192    # tokens per program of the max, band and copy passes
 _BLOCK = 1024    # tokens per iteration of the max, copy and draw passes
 _HBLOCK = 256    # tokens per iteration of a band or histogram pass (accumulators [_HBLOCK, 8 or 16])
 _SORT = 2048     # tokens the sorted path holds in registers
+_SMALL_SORT = 256   # ... and the smaller network it uses when a row's band holds no more
 _NB = 8          # bands
 _CAP = 4096      # keys the radix search's buffer holds
 _BINS = 16       # radix bins
@@ -72,33 +76,31 @@ def _sorted_draw(buf, n, V, k, top_p, min_p, total_all, top, scale, key_r, SORT:
 
 @triton.jit
 def _filter_draw_kernel(
-    logits_ptr, rows_ptr, temp_ptr, seed_ptr, pos_ptr, top_k_ptr, top_p_ptr, min_p_ptr, bitmask_ptr,
-    slots_ptr, part_max_ptr, part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, buf_ptr, buf_stride,
-    out_ptr, V, NC, stride_logits, stride_bitmask, scale,
+    logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_ptr, part_cnt_ptr, part_mas_ptr, part_tot_ptr,
+    part_low_ptr, buf_ptr, buf_stride, out_ptr, V, NC, stride_params, stride_logits, stride_bitmask, scale,
     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, HBLOCK: tl.constexpr, BINS: tl.constexpr,
-    CAP: tl.constexpr, SORT: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    CAP: tl.constexpr, SORT: tl.constexpr, SMALL_SORT: tl.constexpr, NB: tl.constexpr, NCP: tl.constexpr,
+    LIBDEVICE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
     f = tl.program_id(0).to(tl.int64)
-    k = tl.load(top_k_ptr + f)
-    top_p = tl.load(top_p_ptr + f)
-    min_p = tl.load(min_p_ptr + f)
+    row, seed, pos, k, temp, top_p, min_p = filter_row(params_ptr, stride_params, f)
     top = row_top(part_max_ptr, f, NC, NCP)
     j, n, total_all = decide(part_cnt_ptr, part_mas_ptr, part_tot_ptr, part_low_ptr, f, NC, V, k, top_p,
                              min_p, band_thresholds(top, NB), NCP, NB, SORT)
-    key_r = row_key(tl.load(seed_ptr + f), tl.load(pos_ptr + f))
+    key_r = row_key(seed, pos)
     buf = buf_ptr + f * buf_stride
-    if j < NB:
+    if (j < NB) & (n <= SMALL_SORT):   # most rows: a sorting network a fraction of SORT's size
+        token = _sorted_draw(buf, n, V, k, top_p, min_p, total_all, top, scale, key_r, SMALL_SORT, LIBDEVICE)
+    elif j < NB:
         token = _sorted_draw(buf, n, V, k, top_p, min_p, total_all, top, scale, key_r, SORT, LIBDEVICE)
     else:
-        row = tl.load(rows_ptr + f)
         slot = -1
         if HAS_MASK:
             slot = tl.load(slots_ptr + row).to(tl.int64)
-        token = radix_draw(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, slot,
-                           tl.load(temp_ptr + f), V, buf, k, top_p, min_p, total_all, top, scale, key_r,
-                           HAS_MASK, BLOCK, HBLOCK, BINS, CAP, LIBDEVICE)
+        token = radix_draw(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, slot, temp,
+                           V, buf, k, top_p, min_p, total_all, top, scale, key_r, HAS_MASK, BLOCK, HBLOCK,
+                           BINS, CAP, LIBDEVICE)
     tl.store(out_ptr + f, token.to(tl.int64))
 
 
@@ -135,21 +137,20 @@ def fixed_point_scale(vocab: int) -> float:
     return float(2 ** (62 - (vocab - 1).bit_length()))
 
 
-def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                    positions: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    bitmask: torch.Tensor | None = None, bitmask_slots: torch.Tensor | None = None,
-                    *, chunk: int | None = None, hblock: int | None = None, cap: int | None = None,
-                    sort: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """int64 [F]: the token drawn for each logits row rows[f]; see the module docstring.
+def sample_filtered(logits: torch.Tensor, filter_params: torch.Tensor, bitmask: torch.Tensor | None = None,
+                    bitmask_slots: torch.Tensor | None = None, *, chunk: int | None = None,
+                    hblock: int | None = None, cap: int | None = None, sort: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """int64 [F]: the token drawn for each filtered row f (logits row filter_params[0, f]); see the module
+    docstring.
 
-    logits: float32/bf16/fp16 [S, V], last dim contiguous. Per filtered row f (all [F], on the logits'
-    device): rows int64 (indices into logits), temperature float32 (> 0), seeds int64, positions int64,
-    top_k int64 (V when off), top_p float64 (1.0 when off), min_p float32 (0.0 when off). bitmask int32
-    [slots, >= ceil(V/32)] with bitmask_slots int [S] (-1 = unconstrained), or None. `hblock` (tokens per
-    histogram iteration, a power of two), `chunk` (tokens per program of the parallel passes, a multiple
-    of 1024), `cap` (the radix search's buffer), `sort` (tokens the sorted path
-    holds, a power of two; 1 sends every row to the radix search) and `num_warps` change only the speed,
-    never the ids.
+    logits: float32/bf16/fp16 [S, V], last dim contiguous. filter_params: int64 [7, F] on the logits'
+    device (kernels/reference/sampling.py's pack_filter_params: rows, seeds, positions, top-k, T > 0,
+    top-p, min-p). bitmask int32 [slots, >= ceil(V/32)] with bitmask_slots int [S] (-1 = unconstrained),
+    or None. `chunk` (tokens per program of the parallel passes, a multiple of 1024), `hblock` (tokens per
+    band or histogram iteration, a power of two), `cap` (the radix search's buffer), `sort` (tokens the
+    sorted path holds, a power of two; 1 sends every row to the radix search) and `num_warps` change only
+    the speed, never the ids.
     """
     from deepinfer.kernels.reference.sampling import check_sampling_args
 
@@ -158,18 +159,15 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, temperature: torch
     s, v = logits.shape
     check_sampling_args(logits, torch.zeros((3, s), dtype=torch.int64, device=logits.device), bitmask,
                         bitmask_slots)
-    n = rows.shape[0] if rows.dim() == 1 else -1
-    want = {"rows": (rows, torch.int64), "temperature": (temperature, torch.float32),
-            "seeds": (seeds, torch.int64), "positions": (positions, torch.int64),
-            "top_k": (top_k, torch.int64), "top_p": (top_p, torch.float64), "min_p": (min_p, torch.float32)}
-    for name, (t, dtype) in want.items():
-        if t.dtype != dtype or t.dim() != 1 or t.shape[0] != n or t.device != logits.device:
-            raise ValueError(f"{name}: expected {dtype} [F] on {logits.device} with F = len(rows), got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        if t.numel() > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name}: must be contiguous")
-    out = torch.empty(max(n, 0), dtype=torch.int64, device=logits.device)
-    if n <= 0:
+    p = filter_params
+    if p.dtype != torch.int64 or p.dim() != 2 or p.shape[0] != 7 or p.device != logits.device:
+        raise ValueError(f"filter_params: expected int64 [7, F] on {logits.device} (pack_filter_params), got "
+                         f"{p.dtype} {tuple(p.shape)} on {p.device}")
+    if p.shape[1] > 1 and p.stride(1) != 1:
+        raise ValueError("filter_params: last dimension must be contiguous")
+    n = p.shape[1]
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
         return out
     if v > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits: last dimension must be contiguous, got strides {tuple(logits.stride())}")
@@ -185,29 +183,43 @@ def sample_filtered(logits: torch.Tensor, rows: torch.Tensor, temperature: torch
         raise ValueError(f"hblock={hb} must be a power of two >= 16, cap={cp} positive and sort={so} a "
                          "power of two")
     nc = triton.cdiv(v, ch)
-    dev = logits.device
-    part_max = torch.empty((n, nc), dtype=torch.float32, device=dev)
-    part_cnt = torch.empty((n, nc, _NB), dtype=torch.int32, device=dev)
-    part_mas = torch.empty((n, nc, _NB), dtype=torch.int64, device=dev)
-    part_tot = torch.empty((n, nc), dtype=torch.int64, device=dev)
-    part_low = torch.empty((n, nc), dtype=torch.float32, device=dev)
-    buf = torch.empty((n, max(cp, so)), dtype=torch.int64, device=dev)
-    mask_t = bitmask if bitmask is not None else rows    # any pointer; unused without HAS_MASK
-    slots_t = bitmask_slots if bitmask_slots is not None else rows
-    common = dict(HAS_MASK=bitmask is not None, num_warps=num_warps or _NUM_WARPS, **pdl_options(dev))
+    parts, buf = _workspace(n, nc, max(cp, so), logits.device)
+    mask_t = bitmask if bitmask is not None else p    # any pointer; unused without HAS_MASK
+    slots_t = bitmask_slots if bitmask_slots is not None else p
+    common = dict(HAS_MASK=bitmask is not None, num_warps=num_warps or _NUM_WARPS,
+                  **pdl_options(logits.device))
     ncp = triton.next_power_of_2(nc)
-    strides = (logits.stride(0), mask_t.stride(0))
-    _chunk_max_kernel[(n, nc)](logits, rows, temperature, mask_t, slots_t, part_max, v, nc, *strides,
-                               CHUNK=ch, BLOCK=_BLOCK, **common)
-    parts = (part_max, part_cnt, part_mas, part_tot, part_low)
-    _chunk_bands_kernel[(n, nc)](logits, rows, temperature, min_p, mask_t, slots_t, *parts, v, nc, *strides,
-                                 fixed_point_scale(v), CHUNK=ch, HBLOCK=hb, NCP=ncp, NB=_NB,
-                                 LIBDEVICE=not _interpreted(), **common)
-    _chunk_copy_kernel[(n, nc)](logits, rows, temperature, top_k, top_p, min_p, mask_t, slots_t, *parts, buf,
-                                buf.stride(0), v, nc, *strides, CHUNK=ch, BLOCK=_BLOCK, NCP=ncp, NB=_NB,
-                                SORT=so, **common)
-    _filter_draw_kernel[(n,)](logits, rows, temperature, seeds, positions, top_k, top_p, min_p, mask_t,
-                              slots_t, *parts, buf, buf.stride(0), out, v, nc, *strides, fixed_point_scale(v),
-                              BLOCK=_BLOCK, HBLOCK=hb, BINS=_BINS, CAP=cp, SORT=so, NB=_NB, NCP=ncp,
-                              LIBDEVICE=not _interpreted(), **common)
+    strides = (p.stride(0), logits.stride(0), mask_t.stride(0))
+    scale = fixed_point_scale(v)
+    interp = _interpreted()
+    chunk_max_kernel[(n, nc)](logits, p, mask_t, slots_t, parts[0], v, nc, *strides, CHUNK=ch, BLOCK=_BLOCK,
+                               **common)
+    chunk_bands_kernel[(n, nc)](logits, p, mask_t, slots_t, *parts, v, nc, *strides, scale, CHUNK=ch,
+                                 HBLOCK=hb, NCP=ncp, NB=_NB, LIBDEVICE=not interp, **common)
+    chunk_copy_kernel[(n, nc)](logits, p, mask_t, slots_t, *parts, buf, buf.stride(0), v, nc, *strides,
+                                CHUNK=ch, BLOCK=_BLOCK, NCP=ncp, NB=_NB, SORT=so, **common)
+    _filter_draw_kernel[(n,)](logits, p, mask_t, slots_t, *parts, buf, buf.stride(0), out, v, nc, *strides,
+                              scale, BLOCK=_BLOCK, HBLOCK=hb, BINS=_BINS, CAP=cp, SORT=so,
+                              SMALL_SORT=min(so, _SMALL_SORT), NB=_NB, NCP=ncp,
+                              LIBDEVICE=not interp, **common)
     return out
+
+
+def _workspace(n: int, nc: int, buf_len: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...],
+                                                                            torch.Tensor]:
+    """The passes' scratch in one allocation: per (row, chunk) the max (float32), the band counts (int32
+    [NB]) and masses (int64 [NB]), the total mass (int64) and min-p's lowest x (float32); the row buffers."""
+    per_chunk = n * nc
+    ws = torch.empty(per_chunk * (2 * _NB + 3) + n * buf_len, dtype=torch.int64, device=device)
+    at = 0
+
+    def take(count: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal at
+        piece = ws[at:at + count]
+        at += count
+        return piece.view(dtype)[: math.prod(shape)].view(shape)
+
+    parts = (take(per_chunk, torch.float32, (n, nc)), take(per_chunk * _NB, torch.int32, (n, nc, _NB)),
+             take(per_chunk * _NB, torch.int64, (n, nc, _NB)), take(per_chunk, torch.int64, (n, nc)),
+             take(per_chunk, torch.float32, (n, nc)))
+    return parts, take(n * buf_len, torch.int64, (n, buf_len))

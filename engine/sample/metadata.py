@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import chain, repeat
 
 import torch
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import to_int64
-from deepinfer.kernels.reference.sampling import pack_row_params
+from deepinfer.kernels.reference.sampling import pack_filter_params, pack_row_params
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -49,33 +49,49 @@ class SamplingMetadata:
     num_rows: int
     vocab_size: int
     device: torch.device
-    greedy_rows: torch.Tensor             # int64 [G]: rows sampled by argmax (temperature 0)
-    sample_rows: torch.Tensor             # int64 [R]: rows sampled at random, in batch order
-    # The following are indexed like sample_rows (length R).
-    temperature: torch.Tensor             # float32 [R]
-    seeds: torch.Tensor                   # int64 [R] (seed mod 2**64 as a signed bit pattern)
-    positions: torch.Tensor               # int64 [R]: output position being sampled
-    top_k: torch.Tensor                   # int64 [R]: vocab_size when disabled
-    top_p: torch.Tensor                   # float64 [R]
-    min_p: torch.Tensor                   # float32 [R]
-    top_p_idx: torch.Tensor | None        # int64: positions within sample_rows that use top-p
-    top_k_only_idx: torch.Tensor | None   # int64: positions within sample_rows with top-k but no top-p
-    top_k_only_max: int                   # the largest k among top_k_only_idx rows (0 when none)
-    min_p_idx: torch.Tensor | None        # int64: positions within sample_rows that use min-p
     penalties: PenaltyData | None
     # min_tokens: (row, token) pairs to set to -inf this step (EOS and stop ids before min_tokens outputs).
     blocked_rows: torch.Tensor | None     # int64 [B]
     blocked_tokens: torch.Tensor | None   # int64 [B]
     num_logprobs: list[int | None]        # per row: params.logprobs
-    # For the one-pass sampling kernel (kernels/sampling.py), built when `for_kernel`: int64 [3, S] of
+    # The torch path's draw fields. Metadata built for the kernels leaves them None (the kernels read
+    # row_params / filter_params only, so a kernel step moves none of them to the device) until
+    # `with_draw_fields()` builds them from `draw_source`.
+    greedy_rows: torch.Tensor | None = None     # int64 [G]: rows sampled by argmax (temperature 0)
+    sample_rows: torch.Tensor | None = None     # int64 [R]: rows sampled at random, in batch order
+    # The following are indexed like sample_rows (length R).
+    temperature: torch.Tensor | None = None     # float32 [R]
+    seeds: torch.Tensor | None = None           # int64 [R] (seed mod 2**64 as a signed bit pattern)
+    positions: torch.Tensor | None = None       # int64 [R]: output position being sampled
+    top_k: torch.Tensor | None = None           # int64 [R]: vocab_size when disabled
+    top_p: torch.Tensor | None = None           # float64 [R]
+    min_p: torch.Tensor | None = None           # float32 [R]
+    top_p_idx: torch.Tensor | None = None       # int64: positions within sample_rows that use top-p
+    top_k_only_idx: torch.Tensor | None = None  # int64: positions within sample_rows with top-k, no top-p
+    top_k_only_max: int = 0                     # the largest k among top_k_only_idx rows (0 when none)
+    min_p_idx: torch.Tensor | None = None       # int64: positions within sample_rows that use min-p
+    # For the sampling kernels, built when `for_kernel`: row_params (kernels/sampling.py), int64 [3, S] of
     # (seed, position, float32 bits of T) per row, T = 0 for greedy rows and -1 (skip) for rows that use
-    # top-k/top-p/min-p; `filtered` holds those rows' draw fields (greedy_rows empty), None if there are none.
+    # top-k/top-p/min-p; filter_params (kernels/sampling_filter.py), int64 [7, F] describing those rows
+    # (pack_filter_params), None if there are none.
     row_params: torch.Tensor | None = None
-    filtered: SamplingMetadata | None = None
+    filter_params: torch.Tensor | None = None
+    # (params, seeds, positions, sampled rows) the draw fields are built from when they are None.
+    draw_source: tuple | None = field(default=None, repr=False, compare=False)
+
+    def with_draw_fields(self) -> SamplingMetadata:
+        """This metadata with the torch path's draw fields (built now if it was made for the kernels)."""
+        if self.sample_rows is not None or self.draw_source is None:
+            return self
+        params, seeds, positions, sample = self.draw_source
+        return replace(self, **_draw_fields(params, seeds, positions, sample, self.num_rows, self.vocab_size,
+                                            self.device), draw_source=None)
 
     @property
     def all_greedy(self) -> bool:
-        return self.sample_rows.numel() == 0
+        if self.sample_rows is None and self.draw_source is not None:
+            return not self.draw_source[3]
+        return self.sample_rows is not None and self.sample_rows.numel() == 0
 
     @property
     def needs_logprobs(self) -> bool:
@@ -130,8 +146,8 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Metadata from explicit per-row values. Token-id lists default to empty when not given.
 
-        `for_kernel` (default: on CUDA devices) also builds `row_params`/`filtered` for the sampling
-        kernel."""
+        `for_kernel` (default: on CUDA devices) also builds `row_params`/`filter_params` for the sampling
+        kernels."""
         n = len(params)
         if len(seeds) != n or len(positions) != n:
             raise ValueError(
@@ -148,37 +164,34 @@ class SamplingMetadata:
         # One SamplingParams for every row (LLM.generate with one params object): its flags are read once.
         p0 = params[0] if len(_distinct(params)) == 1 else None
         if p0 is not None:
-            sample, greedy = ([], list(range(n))) if p0.greedy else (list(range(n)), [])
+            sample = [] if p0.greedy else list(range(n))
         else:
             sample = [i for i, p in enumerate(params) if not p.greedy]
-            greedy = [i for i, p in enumerate(params) if p.greedy]
         if for_kernel is None:
             for_kernel = device.type == "cuda"
-        row_params = filtered = None
+        row_params = filter_params = None
         if for_kernel:
+            temps: list[float] | float
             if p0 is not None:
                 filt = sample if _uses_filter(p0, vocab_size) else []
-                temps = [-1.0 if filt else float(p0.temperature)] * n
+                temps = -1.0 if filt else float(p0.temperature)
             else:
                 filt = [i for i in sample if _uses_filter(params[i], vocab_size)]
                 skip = set(filt)
                 temps = [-1.0 if i in skip else float(params[i].temperature) for i in range(n)]
-            row_params = to_device(pack_row_params(temps, _int64_seeds(seeds), [int(x) for x in positions]),
-                                   device)
+            host_rows = pack_row_params(temps, _int64_seeds(seeds), [int(x) for x in positions])
+            row_params = to_device(host_rows, device)
             if filt:
-                filtered = cls(num_rows=n, vocab_size=vocab_size, device=device,
-                               greedy_rows=index_tensor([], device),
-                               **_draw_fields(params, seeds, positions, filt, vocab_size, device),
-                               penalties=None, blocked_rows=None, blocked_tokens=None,
-                               num_logprobs=[None] * n)
+                filter_params = to_device(_filter_fields(params, p0, filt, host_rows, vocab_size), device)
+        # For the kernels the draw fields wait for `with_draw_fields` (copies of the lists: the caller's may
+        # change before the torch path, if it ever runs, reads them).
+        draw = ({"draw_source": (list(params), list(seeds), list(positions), sample)} if for_kernel else
+                _draw_fields(params, seeds, positions, sample, n, vocab_size, device))
         return cls(
             num_rows=n,
             vocab_size=vocab_size,
             device=device,
-            # Every row greedy: the row indices are made on the device (no host -> device copy).
-            greedy_rows=(torch.arange(n, dtype=torch.int64, device=device) if len(greedy) == n
-                         else index_tensor(greedy, device)),
-            **_draw_fields(params, seeds, positions, sample, vocab_size, device),
+            **draw,
             penalties=None if p0 is not None and not _uses_penalty(p0) else _penalty_data(
                 params, prompts, outputs, vocab_size, device),
             # min_tokens = 0 blocks nothing (positions are >= 0).
@@ -186,7 +199,7 @@ class SamplingMetadata:
                else {"blocked_rows": None, "blocked_tokens": None}),
             num_logprobs=[p0.logprobs] * n if p0 is not None else [p.logprobs for p in params],
             row_params=row_params,
-            filtered=filtered,
+            filter_params=filter_params,
         )
 
 
@@ -219,16 +232,38 @@ def _uses_filter(p: SamplingParams, vocab_size: int) -> bool:
     return (p.top_k != -1 and p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
 
 
+def _filter_fields(params: list[SamplingParams], p0: SamplingParams | None, filt: list[int],
+                   host_rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """pack_filter_params of the rows `filt` (host tensor), seeds and positions taken from the packed
+    row_params `host_rows`; one SamplingParams for all (p0) is read once."""
+    rows = [p0] if p0 is not None else [params[i] for i in filt]
+    top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in rows]
+    zeros = [0] * len(rows)
+    out = pack_filter_params(zeros, [float(p.temperature) for p in rows], zeros, zeros, top_k,
+                             [float(p.top_p) for p in rows], [float(p.min_p) for p in rows])
+    if p0 is not None:
+        out = out.expand(-1, len(filt)).clone()
+    every = len(filt) == host_rows.shape[1]   # then filt is every row, in order
+    idx = torch.arange(len(filt)) if every else torch.tensor(filt, dtype=torch.int64)
+    out[0] = idx
+    out[1:3] = host_rows[:2].index_select(1, idx)
+    return out
+
+
 def _draw_fields(
     params: list[SamplingParams], seeds: SequenceABC[int], positions: SequenceABC[int], sample: list[int],
-    vocab_size: int, device: torch.device,
+    n: int, vocab_size: int, device: torch.device,
 ) -> dict[str, object]:
-    """The fields of SamplingMetadata indexed like sample_rows, for the batch rows `sample`."""
-    if not sample:   # an all-greedy batch: empty fields (read-only), one tensor per dtype
+    """The draw fields of SamplingMetadata: greedy_rows, and those indexed like sample_rows for the batch
+    rows `sample` (the other rows of the n are greedy)."""
+    if not sample:   # an all-greedy batch: the row indices made on the device (no host -> device copy)
         i64, f32 = (torch.empty(0, dtype=t, device=device) for t in (torch.int64, torch.float32))
-        return {"sample_rows": i64, "temperature": f32, "seeds": i64, "positions": i64, "top_k": i64,
+        return {"greedy_rows": torch.arange(n, dtype=torch.int64, device=device), "sample_rows": i64,
+                "temperature": f32, "seeds": i64, "positions": i64, "top_k": i64,
                 "top_p": torch.empty(0, dtype=torch.float64, device=device), "min_p": f32, "top_p_idx": None,
                 "top_k_only_idx": None, "top_k_only_max": 0, "min_p_idx": None}
+    chosen = set(sample) if len(sample) < n else None
+    greedy = [] if chosen is None else [i for i in range(n) if i not in chosen]
 
     def f32_on(values: list[float]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.float32), device)
@@ -242,6 +277,7 @@ def _draw_fields(
     top_p_set = set(use_top_p)
     top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]
     return {
+        "greedy_rows": index_tensor(greedy, device),
         "sample_rows": index_tensor(sample, device),
         "temperature": f32_on([float(p.temperature) for p in sp]),
         "seeds": index_tensor([to_int64(seeds[i]) for i in sample], device),

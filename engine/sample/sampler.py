@@ -207,6 +207,7 @@ class Sampler:
             bitmask = bitmask_slots = None
         if kernel:
             return self._kernel_call(logits, meta, bitmask, bitmask_slots)
+        meta = meta.with_draw_fields()
         logits = logits.to(torch.float32)   # exact for bf16/fp16 logits; a no-op for float32
         work = logits
         if meta.penalties is not None or meta.blocked_rows is not None:
@@ -244,13 +245,11 @@ class Sampler:
             if meta.blocked_rows is not None and meta.blocked_tokens is not None:
                 apply_blocked(work, meta.blocked_rows, meta.blocked_tokens)
         token_ids = sample_tokens(work, meta.row_params, bitmask, bitmask_slots)
-        if meta.filtered is not None:
-            # Rows with top-k/top-p/min-p: the one-pass kernel skipped them (T < 0); the filter kernel
-            # draws them (one program per row).
-            f = meta.filtered
-            drawn = sample_filtered(work, f.sample_rows, f.temperature, f.seeds, f.positions, f.top_k,
-                                    f.top_p, f.min_p, bitmask, bitmask_slots)
-            token_ids.index_copy_(0, f.sample_rows, drawn)
+        if meta.filter_params is not None:
+            # Rows with top-k/top-p/min-p: the one-pass kernel skipped them (T < 0); the filter kernels
+            # draw them.
+            drawn = sample_filtered(work, meta.filter_params, bitmask, bitmask_slots)
+            token_ids.index_copy_(0, meta.filter_params[0], drawn)
         logprobs: list[dict[int, float] | None] = [None] * meta.num_rows
         if meta.needs_logprobs:
             logprobs = self._logprobs(logits.to(torch.float32), token_ids, meta)

@@ -27,12 +27,35 @@ POS_STEP = -0x2E4AB5CD2E6D12FD      # 0xD1B54A32D192ED03
 UNIFORM_BITS = 52
 
 
-def pack_row_params(temperatures: Sequence[float], seeds: Sequence[int], positions: Sequence[int]
+def pack_row_params(temperatures: Sequence[float] | float, seeds: Sequence[int], positions: Sequence[int]
                     ) -> torch.Tensor:
-    """int64 [3, S] on the host: seeds (already reduced to signed int64), positions, float32 bits of T."""
-    temp_bits = torch.tensor(list(temperatures), dtype=torch.float32).view(torch.int32).to(torch.int64)
+    """int64 [3, S] on the host: seeds (already reduced to signed int64), positions, float32 bits of T
+    (one float: the same T for every row)."""
+    temps = (torch.full((len(seeds),), temperatures, dtype=torch.float32)
+             if isinstance(temperatures, float) else torch.tensor(list(temperatures), dtype=torch.float32))
+    temp_bits = temps.view(torch.int32).to(torch.int64)
     return torch.stack([torch.tensor(list(seeds), dtype=torch.int64),
                         torch.tensor(list(positions), dtype=torch.int64), temp_bits])
+
+
+# Rows of the filter kernel's packed parameters (kernels/sampling_filter.py), one column per filtered row.
+FILTER_FIELDS = ("rows", "seeds", "positions", "top_k", "temperature", "top_p", "min_p")
+
+
+def pack_filter_params(rows: Sequence[int], temperatures: Sequence[float], seeds: Sequence[int],
+                       positions: Sequence[int], top_k: Sequence[int], top_p: Sequence[float],
+                       min_p: Sequence[float]) -> torch.Tensor:
+    """int64 [7, F] on the host, rows as FILTER_FIELDS: batch row indices, seeds (signed int64), positions,
+    top-k (V when off), the float32 bits of T (> 0), the float64 bits of top-p (1.0 when off) and the
+    float32 bits of min-p (0.0 when off). One tensor, so a step moves them to the device in one copy."""
+    def f32_bits(values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.float32).view(torch.int32).to(torch.int64)
+
+    def i64(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    return torch.stack([i64(rows), i64(seeds), i64(positions), i64(top_k), f32_bits(temperatures),
+                        torch.tensor(list(top_p), dtype=torch.float64).view(torch.int64), f32_bits(min_p)])
 
 
 def unpack_temperature(row_params: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from deepinfer.engine.sample.rng import gumbel_noise, random_bits_int, row_keys,
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.kernels.masking import apply_token_bitmask_
 from deepinfer.kernels.reference.sampling import (
+    FILTER_FIELDS,
     gumbel_ref,
     pack_row_params,
     sample_tokens_ref,
@@ -59,26 +60,28 @@ def _rows(n: int, v: int, seed: int):
 def test_reference_kernel_equals_torch_sampler_on_greedy_and_temperature_rows(v, seed):
     params, seeds, positions, logits = _rows(16, v, seed)
     meta = SamplingMetadata.from_params(params, seeds, positions, v, "cpu", for_kernel=True)
-    assert meta.row_params is not None and meta.filtered is None
+    assert meta.row_params is not None and meta.filter_params is None
     want = Sampler(use_kernel=False)(logits, meta).token_ids
     assert torch.equal(sample_tokens_ref(logits, meta.row_params), want)
 
 
-def test_metadata_kernel_fields_skip_filtered_rows_and_describe_them_in_filtered():
+def test_metadata_kernel_fields_skip_filtered_rows_and_describe_them_in_filter_params():
     params = [SP(temperature=0), SP(temperature=0.5), SP(top_k=3), SP(top_p=0.9, temperature=2.0),
               SP(min_p=0.2), SP(temperature=0, top_k=2), SP(top_k=-1)]
     seeds, positions = [1, 2, 3, 4, 5, 6, 2**64 - 1], [0, 1, 2, 3, 4, 5, 6]
     meta = SamplingMetadata.from_params(params, seeds, positions, 100, "cpu", for_kernel=True)
     assert unpack_temperature(meta.row_params).tolist() == [0.0, 0.5, -1.0, -1.0, -1.0, 0.0, 1.0]
     assert meta.row_params[0, -1].item() == -1 and meta.row_params[1].tolist() == positions
-    f = meta.filtered
-    assert f is not None and f.sample_rows.tolist() == [2, 3, 4] and f.greedy_rows.numel() == 0
-    assert f.top_k.tolist() == [3, 100, 100] and f.top_k_only_idx.tolist() == [0] and f.top_k_only_max == 3
-    assert f.top_p_idx.tolist() == [1] and f.min_p_idx.tolist() == [2]
-    assert f.seeds.tolist() == [3, 4, 5] and f.positions.tolist() == [2, 3, 4]
-    assert f.temperature.tolist() == [1.0, 2.0, 1.0] and f.penalties is None
+    f = meta.filter_params
+    assert f is not None and f.shape == (len(FILTER_FIELDS), 3)
+    rows, fseeds, fpos, top_k, temp, top_p, min_p = f
+    assert rows.tolist() == [2, 3, 4] and fseeds.tolist() == [3, 4, 5] and fpos.tolist() == [2, 3, 4]
+    assert top_k.tolist() == [3, 100, 100]
+    assert temp.to(torch.int32).view(torch.float32).tolist() == [1.0, 2.0, 1.0]
+    assert top_p.view(torch.float64).tolist() == [1.0, 0.9, 1.0]
+    assert min_p.to(torch.int32).view(torch.float32).tolist() == pytest.approx([0.0, 0.0, 0.2])
     cpu = SamplingMetadata.from_params(params, seeds, positions, 100, "cpu")
-    assert cpu.row_params is None and cpu.filtered is None      # default: built on CUDA devices only
+    assert cpu.row_params is None and cpu.filter_params is None   # default: built on CUDA devices only
 
 
 def test_switch_env_disables_the_kernel(monkeypatch):

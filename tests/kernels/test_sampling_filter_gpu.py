@@ -101,9 +101,8 @@ def test_launch_variants_change_no_id(kf, launch):
     params = [rng.choice(FILTERS) for _ in range(64)]
     meta = _meta(params, V, 4)
     x = _logits(64, V, 4, torch.bfloat16)
-    f = meta.filtered
-    args = (x, f.sample_rows, f.temperature, f.seeds, f.positions, f.top_k, f.top_p, f.min_p)
-    assert torch.equal(kf.sample_filtered(*args, **launch), kf.sample_filtered(*args))
+    assert torch.equal(kf.sample_filtered(x, meta.filter_params, **launch),
+                       kf.sample_filtered(x, meta.filter_params))
 
 
 def test_rows_sample_the_same_at_batch_sizes_1_7_64_256():
