@@ -35,6 +35,16 @@ def filter_row(params_ptr, stride_params, f):
 
 
 @triton.jit
+def row_pointers(logits_ptr, bitmask_ptr, slots_ptr, row, stride_logits, stride_bitmask,
+                 HAS_MASK: tl.constexpr):
+    """(logits row, grammar-bitmask row, slot) of batch row `row` (slot -1: unconstrained or no mask)."""
+    slot = -1
+    if HAS_MASK:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+    return logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, slot
+
+
+@triton.jit
 def row_top(part_max_ptr, f, NC, NCP: tl.constexpr):
     """The row's max x from its chunks' maxima, finite (0 for a row without one, as the torch path's
     _finite)."""
@@ -83,11 +93,8 @@ def chunk_max_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_pt
     f = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row, _, _, _, temp, _, _ = filter_row(params_ptr, stride_params, f)
-    slot = -1
-    if HAS_MASK:
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-    lrow = logits_ptr + row * stride_logits
-    wrow = bitmask_ptr + slot * stride_bitmask
+    lrow, wrow, slot = row_pointers(logits_ptr, bitmask_ptr, slots_ptr, row, stride_logits, stride_bitmask,
+                                    HAS_MASK)
     lane = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
@@ -106,11 +113,8 @@ def chunk_bands_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_
     f = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row, _, _, k, temp, top_p, min_p = filter_row(params_ptr, stride_params, f)
-    slot = -1
-    if HAS_MASK:
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-    lrow = logits_ptr + row * stride_logits
-    wrow = bitmask_ptr + slot * stride_bitmask
+    lrow, wrow, slot = row_pointers(logits_ptr, bitmask_ptr, slots_ptr, row, stride_logits, stride_bitmask,
+                                    HAS_MASK)
     top = row_top(part_max_ptr, f, NC, NCP)
     thr = band_thresholds(top, NB)
     # Masses only where `decide` reads them (top-p without top-k), min-p's lowest x only with min-p: a
@@ -160,11 +164,8 @@ def chunk_copy_kernel(logits_ptr, params_ptr, bitmask_ptr, slots_ptr, part_max_p
         t = tl.sum(tl.where(js == j, thr, 0.0), 0)
         c = tl.arange(0, NCP)
         n = tl.sum(tl.load(part_cnt_ptr + (f * NC + c) * NB + j, mask=c < chunk, other=0), 0)
-        slot = -1
-        if HAS_MASK:
-            slot = tl.load(slots_ptr + row).to(tl.int64)
-        lrow = logits_ptr + row * stride_logits
-        wrow = bitmask_ptr + slot * stride_bitmask
+        lrow, wrow, slot = row_pointers(logits_ptr, bitmask_ptr, slots_ptr, row, stride_logits,
+                                        stride_bitmask, HAS_MASK)
         buf = buf_ptr + f * buf_stride
         lane = tl.arange(0, BLOCK)
         for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):

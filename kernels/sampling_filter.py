@@ -38,6 +38,7 @@ from deepinfer.kernels.sampling_bands import (
     chunk_max_kernel,
     decide,
     filter_row,
+    row_pointers,
     row_top,
 )
 from deepinfer.kernels.sampling_radix import exp32, fixed_mass, radix_draw, value_of
@@ -95,12 +96,10 @@ def _filter_draw_kernel(
     elif j < NB:
         token = _sorted_draw(buf, n, V, k, top_p, min_p, total_all, top, scale, key_r, SORT, LIBDEVICE)
     else:
-        slot = -1
-        if HAS_MASK:
-            slot = tl.load(slots_ptr + row).to(tl.int64)
-        token = radix_draw(logits_ptr + row * stride_logits, bitmask_ptr + slot * stride_bitmask, slot, temp,
-                           V, buf, k, top_p, min_p, total_all, top, scale, key_r, HAS_MASK, BLOCK, HBLOCK,
-                           BINS, CAP, LIBDEVICE)
+        lrow, wrow, slot = row_pointers(logits_ptr, bitmask_ptr, slots_ptr, row, stride_logits,
+                                        stride_bitmask, HAS_MASK)
+        token = radix_draw(lrow, wrow, slot, temp, V, buf, k, top_p, min_p, total_all, top, scale, key_r,
+                           HAS_MASK, BLOCK, HBLOCK, BINS, CAP, LIBDEVICE)
     tl.store(out_ptr + f, token.to(tl.int64))
 
 
