@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels.pdl import pdl_options, wait_for_producers
+from deepinfer.kernels.reference.sampling import check_sampling_args
 from deepinfer.kernels.sampling import gumbel, row_key
 from deepinfer.kernels.sampling_bands import (
     band_thresholds,
@@ -151,13 +152,8 @@ def sample_filtered(logits: torch.Tensor, filter_params: torch.Tensor, bitmask: 
     sorted path holds, a power of two; 1 sends every row to the radix search) and `num_warps` change only
     the speed, never the ids.
     """
-    from deepinfer.kernels.reference.sampling import check_sampling_args
-
-    if logits.dim() != 2:
-        raise ValueError(f"logits: expected [S, V], got {tuple(logits.shape)}")
-    s, v = logits.shape
-    check_sampling_args(logits, torch.zeros((3, s), dtype=torch.int64, device=logits.device), bitmask,
-                        bitmask_slots)
+    check_sampling_args(logits, None, bitmask, bitmask_slots)
+    v = logits.shape[1]
     p = filter_params
     if p.dtype != torch.int64 or p.dim() != 2 or p.shape[0] != 7 or p.device != logits.device:
         raise ValueError(f"filter_params: expected int64 [7, F] on {logits.device} (pack_filter_params), got "

@@ -63,17 +63,18 @@ def unpack_temperature(row_params: torch.Tensor) -> torch.Tensor:
     return row_params[2].to(torch.int32).view(torch.float32)
 
 
-def check_sampling_args(logits: torch.Tensor, row_params: torch.Tensor, bitmask: torch.Tensor | None,
+def check_sampling_args(logits: torch.Tensor, row_params: torch.Tensor | None, bitmask: torch.Tensor | None,
                         bitmask_slots: torch.Tensor | None) -> None:
-    """ValueError naming the argument unless the shapes, dtypes and devices fit together."""
+    """ValueError naming the argument unless the shapes, dtypes and devices fit together (row_params None:
+    a caller without them, the filter kernels, checks the rest)."""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits: expected float32/bf16/fp16 [S, V], got {logits.dtype} "
                          f"{tuple(logits.shape)}")
     s, v = logits.shape
-    if row_params.dtype != torch.int64 or tuple(row_params.shape) != (3, s):
+    if row_params is not None and (row_params.dtype != torch.int64 or tuple(row_params.shape) != (3, s)):
         raise ValueError(f"row_params: expected int64 [3, {s}] (see pack_row_params), got "
                          f"{row_params.dtype} {tuple(row_params.shape)}")
-    if row_params.device != logits.device:
+    if row_params is not None and row_params.device != logits.device:
         raise ValueError(f"row_params: on {row_params.device}, logits on {logits.device}")
     if (bitmask is None) != (bitmask_slots is None):
         raise ValueError("bitmask and bitmask_slots must be given together")
