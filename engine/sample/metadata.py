@@ -229,7 +229,12 @@ def _uses_penalty(p: SamplingParams) -> bool:
 
 def _uses_filter(p: SamplingParams, vocab_size: int) -> bool:
     """True when a sampled row narrows its distribution (top-k, top-p or min-p)."""
-    return (p.top_k != -1 and p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
+    return _top_k(p, vocab_size) < vocab_size or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    """The k a row's draw keeps: vocab_size when top-k is off (-1) or no narrower than the vocabulary."""
+    return vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k
 
 
 def _filter_fields(params: list[SamplingParams], p0: SamplingParams | None, filt: list[int],
@@ -237,7 +242,7 @@ def _filter_fields(params: list[SamplingParams], p0: SamplingParams | None, filt
     """pack_filter_params of the rows `filt` (host tensor), seeds and positions taken from the packed
     row_params `host_rows`; one SamplingParams for all (p0) is read once."""
     rows = [p0] if p0 is not None else [params[i] for i in filt]
-    top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in rows]
+    top_k = [_top_k(p, vocab_size) for p in rows]
     zeros = [0] * len(rows)
     out = pack_filter_params(zeros, [float(p.temperature) for p in rows], zeros, zeros, top_k,
                              [float(p.top_p) for p in rows], [float(p.min_p) for p in rows])
@@ -272,7 +277,7 @@ def _draw_fields(
         return index_tensor(values, device) if values else None
 
     sp = [params[i] for i in sample]
-    top_k = [vocab_size if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in sp]
+    top_k = [_top_k(p, vocab_size) for p in sp]
     use_top_p = [j for j, p in enumerate(sp) if p.top_p < 1.0]
     top_p_set = set(use_top_p)
     top_k_only = [j for j, k in enumerate(top_k) if k < vocab_size and j not in top_p_set]

@@ -33,9 +33,17 @@ def pack_row_params(temperatures: Sequence[float] | float, seeds: Sequence[int],
     (one float: the same T for every row)."""
     temps = (torch.full((len(seeds),), temperatures, dtype=torch.float32)
              if isinstance(temperatures, float) else torch.tensor(list(temperatures), dtype=torch.float32))
-    temp_bits = temps.view(torch.int32).to(torch.int64)
-    return torch.stack([torch.tensor(list(seeds), dtype=torch.int64),
-                        torch.tensor(list(positions), dtype=torch.int64), temp_bits])
+    return torch.stack([_i64(seeds), _i64(positions), _f32_bits(temps)])
+
+
+def _i64(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def _f32_bits(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """int64 of the float32 bit patterns of `values` (how packed parameters carry a float32)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float32)
+    return t.view(torch.int32).to(torch.int64)
 
 
 # Rows of the filter kernel's packed parameters (kernels/sampling_filter.py), one column per filtered row.
@@ -48,14 +56,8 @@ def pack_filter_params(rows: Sequence[int], temperatures: Sequence[float], seeds
     """int64 [7, F] on the host, rows as FILTER_FIELDS: batch row indices, seeds (signed int64), positions,
     top-k (V when off), the float32 bits of T (> 0), the float64 bits of top-p (1.0 when off) and the
     float32 bits of min-p (0.0 when off). One tensor, so a step moves them to the device in one copy."""
-    def f32_bits(values: Sequence[float]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.float32).view(torch.int32).to(torch.int64)
-
-    def i64(values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64)
-
-    return torch.stack([i64(rows), i64(seeds), i64(positions), i64(top_k), f32_bits(temperatures),
-                        torch.tensor(list(top_p), dtype=torch.float64).view(torch.int64), f32_bits(min_p)])
+    return torch.stack([_i64(rows), _i64(seeds), _i64(positions), _i64(top_k), _f32_bits(temperatures),
+                        torch.tensor(list(top_p), dtype=torch.float64).view(torch.int64), _f32_bits(min_p)])
 
 
 def unpack_temperature(row_params: torch.Tensor) -> torch.Tensor:
