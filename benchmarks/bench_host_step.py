@@ -225,6 +225,8 @@ def main() -> None:
                     help="share of requests given a (never matching) stop string: incremental detokenization")
     ap.add_argument("--no-graphs", action="store_true", help="eager ModelRunner.prepare for decode steps")
     ap.add_argument("--sync", action="store_true", help="the synchronous loop instead of the overlapped one")
+    ap.add_argument("--penalties", action="store_true",
+                    help="every request with repetition 1.1, presence 0.2 and frequency 0.2 penalties")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps; print the top 25")
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args()
@@ -234,9 +236,11 @@ def main() -> None:
     d, prompts = workload(args)
     n_stop = int(round(args.stop_frac * args.num_prompts))
     # One params object for the plain requests, as bench_throughput.py passes (the engine reads it once).
-    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    pen = ({"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.2} if args.penalties
+           else {})
+    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, **pen)
     stop = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                          stop=["\x00never\x00"])
+                          stop=["\x00never\x00"], **pen)
     params = [stop if i < n_stop else plain for i in range(args.num_prompts)]
     runs, first = [], None
     prof = cProfile.Profile() if args.profile else None

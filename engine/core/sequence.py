@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from deepinfer.engine.sample.params import SamplingParams
 
-if TYPE_CHECKING:  # annotations only: the structured and text rooms import this module
+if TYPE_CHECKING:  # annotations only: the structured, text and sample rooms import this module
+    from deepinfer.engine.sample.penalty_tokens import PenaltyTokens
     from deepinfer.engine.structured.manager import GrammarState
     from deepinfer.engine.text.detokenizer import IncrementalDetokenizer
 
@@ -74,6 +75,9 @@ class Sequence:
     # MTP drafts for this sequence's next step (engine/spec_decode/proposer.py), guesses at the tokens after
     # its last one. The scheduler consumes them (a verify step) or drops them; never part of token_ids.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The distinct ids of prompt and outputs with output counts, for penalties (engine/sample/
+    # penalty_tokens.py): made at the first penalised step, then grown by the new outputs only.
+    penalty_tokens: PenaltyTokens | None = None
 
     @property
     def token_ids(self) -> list[int]:

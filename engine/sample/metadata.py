@@ -10,13 +10,15 @@ which other rows are present never changes a row's result.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field, replace
-from itertools import chain, repeat
+from itertools import repeat
 
 import torch
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.sample.penalty_tokens import PenaltyTokens, pack_entries, sequence_tokens
 from deepinfer.engine.sample.rng import to_int64
 from deepinfer.kernels.reference.sampling import pack_filter_params, pack_row_params
 
@@ -32,14 +34,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PenaltyData:
-    """Penalty inputs for the rows in `rows` (indices into the batch), in that order."""
+    """Penalty inputs for the rows in `rows` (indices into the batch), as sparse entries: one per distinct
+    token a row has seen (engine/sample/penalty_tokens.py; kernels/reference/penalties.py applies them)."""
 
     rows: torch.Tensor                    # int64 [P]
-    repetition: torch.Tensor              # float32 [P]
-    presence: torch.Tensor                # float32 [P]
-    frequency: torch.Tensor               # float32 [P]
-    seen: torch.Tensor | None             # bool [P, V]: in prompt or output (None: no repetition penalty)
-    output_counts: torch.Tensor | None    # float32 [P, V]: output occurrences (None: no presence/freq.)
+    params: torch.Tensor                  # float32 [3, P]: repetition, presence, frequency of rows[j]
+    entries: torch.Tensor                 # int32 [3, E]: (j, token id, output count), tokens distinct per j
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,8 @@ class SamplingMetadata:
             positions=positions,
             vocab_size=vocab_size,
             device=device,
-            prompt_token_ids=[s.prompt_token_ids for s in seqs] if tokens else None,
-            output_token_ids=[s.output_token_ids for s in seqs] if tokens else None,
             eos_token_ids=[s.eos_token_ids for s in seqs] if eos else None,
+            penalty_tokens=(lambda i: sequence_tokens(seqs[i], vocab_size)) if tokens else None,
         )
 
     @classmethod
@@ -143,11 +142,13 @@ class SamplingMetadata:
         output_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         eos_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         for_kernel: bool | None = None,
+        penalty_tokens: Callable[[int], PenaltyTokens] | None = None,
     ) -> SamplingMetadata:
         """Metadata from explicit per-row values. Token-id lists default to empty when not given.
 
         `for_kernel` (default: on CUDA devices) also builds `row_params`/`filter_params` for the sampling
-        kernels."""
+        kernels. `penalty_tokens(i)` (from_sequences: each sequence's kept table) replaces the prompt and
+        output lists for penalties: row i's synced PenaltyTokens."""
         n = len(params)
         if len(seeds) != n or len(positions) != n:
             raise ValueError(
@@ -193,7 +194,8 @@ class SamplingMetadata:
             device=device,
             **draw,
             penalties=None if p0 is not None and not _uses_penalty(p0) else _penalty_data(
-                params, prompts, outputs, vocab_size, device),
+                params, penalty_tokens or (lambda i: PenaltyTokens(prompts[i], vocab_size).sync(outputs[i])),
+                device),
             # min_tokens = 0 blocks nothing (positions are >= 0).
             **(_blocked(params, eos, positions, vocab_size, device) if p0 is None or p0.min_tokens > 0
                else {"blocked_rows": None, "blocked_tokens": None}),
@@ -298,50 +300,18 @@ def _draw_fields(
 
 
 def _penalty_data(
-    params: list[SamplingParams],
-    prompts: SequenceABC[SequenceABC[int]],
-    outputs: SequenceABC[SequenceABC[int]],
-    vocab_size: int,
-    device: torch.device,
+    params: list[SamplingParams], tables: Callable[[int], PenaltyTokens], device: torch.device
 ) -> PenaltyData | None:
     rows = [i for i, p in enumerate(params) if _uses_penalty(p)]
     if not rows:
         return None
     pp = [params[i] for i in rows]
-
-    def flat(lists: list[SequenceABC[int]]) -> torch.Tensor:
-        # Flattened (row * V + token) indices; ids outside the vocab can never be sampled: dropped.
-        tokens = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(ids) for ids in lists]))
-        valid = (tokens >= 0) & (tokens < vocab_size)
-        return to_device(rows[valid] * vocab_size + tokens[valid], device)
-
-    size = len(rows) * vocab_size
-    counts = None
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in pp):
-        # Adding ones in float32 is exact (and so order-free) for counts below 2**24.
-        # Scatter-add of ones, not bincount: CUDA bincount reads its input's max on the host (a sync).
-        idx = flat([outputs[i] for i in rows])
-        counts = torch.zeros(size, dtype=torch.float32, device=device)
-        counts.index_add_(0, idx, torch.ones(idx.shape[0], dtype=torch.float32, device=device))
-        counts = counts.view(len(rows), vocab_size)
-    seen = None
-    if any(p.repetition_penalty != 1.0 for p in pp):
-        seen = torch.zeros(size, dtype=torch.bool, device=device)
-        seen.index_fill_(0, flat([prompts[i] for i in rows]), True)
-        seen.index_fill_(0, flat([outputs[i] for i in rows]), True)
-        seen = seen.view(len(rows), vocab_size)
-
-    def f32(values: list[float]) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.float32), device)
-
+    values = [[float(p.repetition_penalty) for p in pp], [float(p.presence_penalty) for p in pp],
+              [float(p.frequency_penalty) for p in pp]]
     return PenaltyData(
-        rows=to_device(torch.tensor(rows, dtype=torch.int64), device),
-        repetition=f32([float(p.repetition_penalty) for p in pp]),
-        presence=f32([float(p.presence_penalty) for p in pp]),
-        frequency=f32([float(p.frequency_penalty) for p in pp]),
-        seen=seen,
-        output_counts=counts,
+        rows=index_tensor(rows, device),
+        params=to_device(torch.tensor(values, dtype=torch.float32), device),
+        entries=to_device(pack_entries([tables(i) for i in rows]), device),
     )
 
 

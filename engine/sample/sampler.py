@@ -178,8 +178,9 @@ class Sampler:
     DEEPINFER_DISABLE_SAMPLING_KERNEL unset or 0; True: any device, e.g. CPU under TRITON_INTERPRET=1;
     False: never) and the metadata was built `for_kernel`: kernels/sampling.py the greedy and
     plain-temperature rows in one read of the logits, kernels/sampling_filter.py the rows with top-k/
-    top-p/min-p (no sort). Both give the torch path's ids bit for bit (tests/kernels/test_sampling_*.py);
-    penalties and min_tokens are applied by torch before, on a float32 copy of the logits.
+    top-p/min-p (no sort). Both give the torch path's ids bit for bit (tests/kernels/test_sampling_*.py).
+    Penalties (kernels/penalties.py, on the sparse entries of the tokens each row has seen) and min_tokens
+    are applied before, on a float32 copy of the logits.
     """
 
     def __init__(self, use_kernel: bool | None = None) -> None:
@@ -241,7 +242,7 @@ class Sampler:
         if meta.penalties is not None or meta.blocked_rows is not None:
             work = logits.to(torch.float32, copy=True)
             if meta.penalties is not None:
-                apply_penalties(work, meta.penalties)
+                apply_penalties(work, meta.penalties, kernel=True)
             if meta.blocked_rows is not None and meta.blocked_tokens is not None:
                 apply_blocked(work, meta.blocked_rows, meta.blocked_tokens)
         token_ids = sample_tokens(work, meta.row_params, bitmask, bitmask_slots)

@@ -15,3 +15,8 @@ def test_sampling_kernel_passes_under_interpreter(request):
 @launches("tests/kernels/test_sampling_filter_interpreted.py")
 def test_filter_sampling_kernel_passes_under_interpreter(request):
     run_interpreted(request, "filter-sampling-kernel", allow_skips=False)
+
+
+@launches("tests/kernels/test_penalties_interpreted.py")
+def test_penalty_kernel_passes_under_interpreter(request):
+    run_interpreted(request, "penalty-kernel", allow_skips=False)
