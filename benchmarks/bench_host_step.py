@@ -225,8 +225,9 @@ def main() -> None:
                     help="share of requests given a (never matching) stop string: incremental detokenization")
     ap.add_argument("--no-graphs", action="store_true", help="eager ModelRunner.prepare for decode steps")
     ap.add_argument("--sync", action="store_true", help="the synchronous loop instead of the overlapped one")
-    ap.add_argument("--penalties", action="store_true",
-                    help="every request with repetition 1.1, presence 0.2 and frequency 0.2 penalties")
+    ap.add_argument("--penalties", choices=("all", "pf"),
+                    help="every request with penalties: all = repetition 1.1, presence and frequency 0.2; "
+                         "pf = presence and frequency 0.2 only")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps; print the top 25")
     ap.add_argument("--out", help="write the summary JSON here")
     args = ap.parse_args()
@@ -236,8 +237,9 @@ def main() -> None:
     d, prompts = workload(args)
     n_stop = int(round(args.stop_frac * args.num_prompts))
     # One params object for the plain requests, as bench_throughput.py passes (the engine reads it once).
-    pen = ({"repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.2} if args.penalties
-           else {})
+    pen = {"presence_penalty": 0.2, "frequency_penalty": 0.2} if args.penalties else {}
+    if args.penalties == "all":
+        pen["repetition_penalty"] = 1.1
     plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, **pen)
     stop = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                           stop=["\x00never\x00"], **pen)

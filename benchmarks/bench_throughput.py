@@ -56,7 +56,9 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
                 "pen": ({"temperature": 0.0, "repetition_penalty": 1.1, "presence_penalty": 0.2,
-                         "frequency_penalty": 0.2}, "greedy with repetition 1.1, presence and frequency 0.2")}
+                         "frequency_penalty": 0.2}, "greedy with repetition 1.1, presence and frequency 0.2"),
+                "pf": ({"temperature": 0.0, "presence_penalty": 0.2, "frequency_penalty": 0.2},
+                       "greedy with presence and frequency 0.2 (the OpenAI API's penalties)")}
 
 
 def arm_sampling(mode: str, max_tokens: int):
@@ -209,7 +211,7 @@ def main() -> None:
     ap.add_argument("--modes", default="deterministic,fast,hf",
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
                          "+nopdl (no PDL), +nosk (torch sampler), +topp (top-k 50 / top-p 0.95 sampling), "
-                         "+pen (repetition / presence / frequency penalties)")
+                         "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
                     help="one more run per deepinfer mode under torch.profiler: GPU busy per decode step")

@@ -15,10 +15,16 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 
+import numpy as np
 import torch
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.params import SamplingParams
-from deepinfer.engine.sample.penalty_tokens import PenaltyTokens, pack_entries, sequence_tokens
+from deepinfer.engine.sample.penalty_tokens import (
+    PenaltyTokens,
+    pack_entries,
+    penalised_prompt,
+    sequence_entries,
+)
 from deepinfer.engine.sample.rng import to_int64
 from deepinfer.kernels.reference.sampling import pack_filter_params, pack_row_params
 
@@ -127,7 +133,7 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             device=device,
             eos_token_ids=[s.eos_token_ids for s in seqs] if eos else None,
-            penalty_tokens=(lambda i: sequence_tokens(seqs[i], vocab_size)) if tokens else None,
+            penalty_entries=(lambda i: sequence_entries(seqs[i], vocab_size)) if tokens else None,
         )
 
     @classmethod
@@ -142,13 +148,13 @@ class SamplingMetadata:
         output_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         eos_token_ids: SequenceABC[SequenceABC[int]] | None = None,
         for_kernel: bool | None = None,
-        penalty_tokens: Callable[[int], PenaltyTokens] | None = None,
+        penalty_entries: Callable[[int], np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """Metadata from explicit per-row values. Token-id lists default to empty when not given.
 
         `for_kernel` (default: on CUDA devices) also builds `row_params`/`filter_params` for the sampling
-        kernels. `penalty_tokens(i)` (from_sequences: each sequence's kept table) replaces the prompt and
-        output lists for penalties: row i's synced PenaltyTokens."""
+        kernels. `penalty_entries(i)` replaces the prompt and output lists for penalties: row i's int32
+        [2, n] (token id, output count) entries, from a table kept on its sequence (`sequence_entries`)."""
         n = len(params)
         if len(seeds) != n or len(positions) != n:
             raise ValueError(
@@ -194,8 +200,7 @@ class SamplingMetadata:
             device=device,
             **draw,
             penalties=None if p0 is not None and not _uses_penalty(p0) else _penalty_data(
-                params, penalty_tokens or (lambda i: PenaltyTokens(prompts[i], vocab_size).sync(outputs[i])),
-                device),
+                params, penalty_entries or _list_entries(params, prompts, outputs, vocab_size), device),
             # min_tokens = 0 blocks nothing (positions are >= 0).
             **(_blocked(params, eos, positions, vocab_size, device) if p0 is None or p0.min_tokens > 0
                else {"blocked_rows": None, "blocked_tokens": None}),
@@ -299,8 +304,18 @@ def _draw_fields(
     }
 
 
+def _list_entries(params: list[SamplingParams], prompts: SequenceABC[SequenceABC[int]],
+                  outputs: SequenceABC[SequenceABC[int]], vocab_size: int) -> Callable[[int], np.ndarray]:
+    """Row i's penalty entries from its token lists (a table built for the one call)."""
+
+    def entries(i: int) -> np.ndarray:
+        return PenaltyTokens(penalised_prompt(params[i], prompts[i]), vocab_size).sync(outputs[i]).entries
+
+    return entries
+
+
 def _penalty_data(
-    params: list[SamplingParams], tables: Callable[[int], PenaltyTokens], device: torch.device
+    params: list[SamplingParams], entries: Callable[[int], np.ndarray], device: torch.device
 ) -> PenaltyData | None:
     rows = [i for i, p in enumerate(params) if _uses_penalty(p)]
     if not rows:
@@ -311,7 +326,7 @@ def _penalty_data(
     return PenaltyData(
         rows=index_tensor(rows, device),
         params=to_device(torch.tensor(values, dtype=torch.float32), device),
-        entries=to_device(pack_entries([tables(i) for i in rows]), device),
+        entries=to_device(pack_entries([entries(i) for i in rows]), device),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -94,8 +95,8 @@ class SamplingParams:
         def bad(name: str, value: Any, expected: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: {expected}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
@@ -127,12 +128,12 @@ class SamplingParams:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 1024:
             raise bad("n", self.n, "must be an integer in [1, 1024]")
         self._resolve_structured_outputs()
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1.0 disables it)")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      "must be a finite number > 0 (1.0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, getattr(self, name), "must be a number in [-2, 2]")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         constraints = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
@@ -186,3 +187,13 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return self.json_schema is not None or self.regex is not None or self.choice is not None
+
+
+# float32's largest finite value: the sampler computes in float32, where a larger value becomes inf.
+_F32_MAX = 3.4028234663852886e38
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool) that stays finite in float32: inf and NaN would turn logits into NaN."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and abs(value) <= _F32_MAX)

@@ -9,7 +9,9 @@ distinct id, so the device never builds a [rows, vocab] table either.
 
 Entry order (a pure function of the token lists, whatever order the outputs were synced in): the prompt's
 distinct ids ascending, then the other output ids in order of first appearance. Ids outside [0, vocab)
-are dropped (they can never be sampled).
+are dropped (they can never be sampled). A request without a repetition penalty gets no prompt entries
+(`penalised_prompt`): presence and frequency read output counts only, and an entry with count 0 would
+leave its logit as it is, so the step packs ~5x fewer entries for the OpenAI-style penalties.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from deepinfer.engine.core.sequence import PENDING_TOKEN
 
 if TYPE_CHECKING:
     from deepinfer.engine.core.sequence import Sequence
+    from deepinfer.engine.sample.params import SamplingParams
 
 
 class PenaltyTokens:
@@ -51,6 +54,22 @@ class PenaltyTokens:
         """int32 [2, size]: the distinct ids and their output counts (0 for an id seen only in the prompt);
         a view, valid until the next `sync`."""
         return self._data[:, : self._size]
+
+    def entries_with(self, extra: SequenceABC[int]) -> np.ndarray:
+        """int32 [2, n]: `entries` as if `extra` (a verify row's drafts) were appended outputs; a copy, the
+        table itself unchanged."""
+        ids, counts = self._ids[: self._size].tolist(), self._counts[: self._size].tolist()
+        new: dict[int, int] = {}
+        for t in extra:
+            if not 0 <= t < self.vocab_size:
+                continue
+            k = self._index.get(t, new.get(t))
+            if k is None:
+                k = new[t] = len(ids)
+                ids.append(t)
+                counts.append(0)
+            counts[k] += 1
+        return np.array([ids, counts], dtype=np.int32).reshape(2, -1)
 
     def sync(self, outputs: SequenceABC[int]) -> PenaltyTokens:
         """Take in the outputs appended since the last call; returns self.
@@ -98,20 +117,29 @@ class PenaltyTokens:
         self._consumed = 0
 
 
-def sequence_tokens(seq: Sequence, vocab_size: int) -> PenaltyTokens:
-    """`seq`'s table, synced with its outputs: made on first use and kept on the sequence (`penalty_tokens`)
-    so later steps take in only their new outputs."""
+def penalised_prompt(params: SamplingParams, prompt: SequenceABC[int]) -> SequenceABC[int]:
+    """The prompt ids whose logits a row's penalties can change: all under a repetition penalty, else none."""
+    return prompt if params.repetition_penalty != 1.0 else ()
+
+
+def sequence_entries(seq: Sequence, vocab_size: int, extra: SequenceABC[int] = ()) -> np.ndarray:
+    """int32 [2, n] entries of `seq` (its outputs so far, plus `extra` uncommitted ones such as drafts) from
+    its table: made on first use and kept on the sequence (`penalty_tokens`), so later steps take in only
+    their new outputs."""
     table = seq.penalty_tokens
     if table is None or table.vocab_size != vocab_size:
-        table = seq.penalty_tokens = PenaltyTokens(seq.prompt_token_ids, vocab_size)
-    return table.sync(seq.output_token_ids)
+        table = seq.penalty_tokens = PenaltyTokens(penalised_prompt(seq.params, seq.prompt_token_ids),
+                                                   vocab_size)
+    table.sync(seq.output_token_ids)
+    return table.entries_with(extra) if extra else table.entries
 
 
-def pack_entries(tables: list[PenaltyTokens]) -> torch.Tensor:
-    """int32 [3, E] host tensor: per entry (index into `tables`, token id, output count), table by table."""
-    sizes = [t._size for t in tables]
+def pack_entries(rows: list[np.ndarray]) -> torch.Tensor:
+    """int32 [3, E] host tensor: per entry (index into `rows`, token id, output count), row by row, from
+    each row's int32 [2, n] (`PenaltyTokens.entries`)."""
+    sizes = [r.shape[1] for r in rows]
     out = np.empty((3, sum(sizes)), dtype=np.int32)
-    out[0] = np.repeat(np.arange(len(tables), dtype=np.int32), sizes)
-    if tables:
-        np.concatenate([t._data[:, :n] for t, n in zip(tables, sizes, strict=True)], axis=1, out=out[1:])
+    out[0] = np.repeat(np.arange(len(rows), dtype=np.int32), sizes)
+    if rows:
+        np.concatenate(rows, axis=1, out=out[1:])
     return torch.from_numpy(out)

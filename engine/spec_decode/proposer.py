@@ -25,11 +25,11 @@ from deepinfer.engine.core.block_manager import BlockManager
 from deepinfer.engine.core.scheduler_output import SchedulerOutput
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.metadata import SamplingMetadata
+from deepinfer.engine.sample.penalty_tokens import sequence_entries
 from deepinfer.engine.sample.sampler import Sampler
 from deepinfer.engine.spec_decode.mtp_model import MTPDraftModel
 from deepinfer.engine.spec_decode.policy import DraftPolicy, SpecStats
 from deepinfer.engine.spec_decode.v4_mtp_model import V4MTPDraftModel
-from deepinfer.engine.spec_decode.verify import uses_penalties
 from deepinfer.kernels.metadata import AttentionMetadata
 
 
@@ -138,10 +138,9 @@ class MTPProposer:
         meta = SamplingMetadata.from_params(
             [s.params for s in seqs], [s.seed for s in seqs],
             [s.num_output_tokens + depth for s in seqs], self.vocab_size, self.device,
-            prompt_token_ids=[s.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids + s.draft_token_ids if uses_penalties(s.params)
-                              else s.output_token_ids for s in seqs],
-            eos_token_ids=[s.eos_token_ids for s in seqs])
+            eos_token_ids=[s.eos_token_ids for s in seqs],
+            # Penalties count the drafts so far as outputs (a copy of the sequence's kept table).
+            penalty_entries=lambda i: sequence_entries(seqs[i], self.vocab_size, seqs[i].draft_token_ids))
         meta = dataclasses.replace(meta, num_logprobs=[None] * len(seqs))
         tokens = self.sampler(logits, meta).token_ids.tolist()
         temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],

@@ -22,7 +22,7 @@ import torch
 from deepinfer.engine.core.scheduler_output import ScheduledSequence
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.sample.metadata import SamplingMetadata
-from deepinfer.engine.sample.params import SamplingParams
+from deepinfer.engine.sample.penalty_tokens import sequence_entries
 from deepinfer.engine.sample.sampler import Sampler
 
 
@@ -44,25 +44,20 @@ def row_sequences(sampled: list[ScheduledSequence]) -> list[Sequence]:
 def rows_metadata(sampled: list[ScheduledSequence], vocab_size: int, device: torch.device
                   ) -> SamplingMetadata:
     """Per-row sampling state of a verify step: row j of a sequence as if drafts d_1..d_j were committed."""
-    params, seeds, positions, prompts, outputs, eos = [], [], [], [], [], []
+    params, seeds, positions, eos = [], [], [], []
+    pen_rows: list[tuple[Sequence, list[int]]] = []
     for s in sampled:
         seq, drafts = s.seq, s.draft_token_ids
         for j in range(len(drafts) + 1):
             params.append(seq.params)
             seeds.append(seq.seed)
             positions.append(seq.num_output_tokens + j)
-            prompts.append(seq.prompt_token_ids)
-            # Only penalties read the output ids: copy them (with the drafts) just for rows that use one.
-            outputs.append(seq.output_token_ids + drafts[:j] if j and uses_penalties(seq.params)
-                           else seq.output_token_ids)
+            pen_rows.append((seq, drafts[:j]))
             eos.append(seq.eos_token_ids)
-    return SamplingMetadata.from_params(params, seeds, positions, vocab_size, device,
-                                        prompt_token_ids=prompts, output_token_ids=outputs, eos_token_ids=eos)
-
-
-def uses_penalties(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
+    return SamplingMetadata.from_params(
+        params, seeds, positions, vocab_size, device, eos_token_ids=eos,
+        # Penalties count d_1..d_j as outputs: the sequence's kept table with the drafts added to a copy.
+        penalty_entries=lambda i: sequence_entries(pen_rows[i][0], vocab_size, pen_rows[i][1]))
 
 
 def num_accepted(drafts: list[int], row_tokens: list[int]) -> int:

@@ -34,12 +34,21 @@ def test_missing_tokenizer(model_dir, tmp_path):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e39), "temperature"),     # inf in float32
+    (dict(temperature="0.7"), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_k=-2), "top_k"),   # 0 and -1 both mean disabled (DESIGN.md, second-round contracts)
     (dict(min_p=1.5), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=-2), "logprobs"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty="1.1"), "repetition_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=True), "frequency_penalty"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(stop=[""]), "stop"),

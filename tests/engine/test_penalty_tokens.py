@@ -13,7 +13,7 @@ from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence
 from deepinfer.engine.sample.metadata import SamplingMetadata
 from deepinfer.engine.sample.params import SamplingParams as SP
 from deepinfer.engine.sample.penalties import apply_penalties
-from deepinfer.engine.sample.penalty_tokens import PenaltyTokens, pack_entries, sequence_tokens
+from deepinfer.engine.sample.penalty_tokens import PenaltyTokens, pack_entries, sequence_entries
 
 V = 50
 
@@ -61,14 +61,35 @@ def test_fewer_outputs_than_taken_restarts_from_the_prompt():
 
 def test_a_sequence_keeps_its_table_and_syncs_only_new_outputs():
     seq = Sequence(seq_id=0, prompt_token_ids=[3, 1], params=SP(repetition_penalty=1.2), seed=0)
-    first = sequence_tokens(seq, V)
+    sequence_entries(seq, V)
+    first = seq.penalty_tokens
     seq.output_token_ids += [1, 6]
-    assert sequence_tokens(seq, V) is first and _table(first) == [(1, 1), (3, 0), (6, 1)]
-    assert sequence_tokens(seq, 4) is not first and _table(seq.penalty_tokens) == [(1, 1), (3, 0)]
+    assert sequence_entries(seq, V).T.tolist() == [[1, 1], [3, 0], [6, 1]] and seq.penalty_tokens is first
+    assert sequence_entries(seq, 4).T.tolist() == [[1, 1], [3, 0]] and seq.penalty_tokens is not first
+
+
+@pytest.mark.parametrize("extra", [[], [6], [3, 9, 9, V, 6], [PENDING_TOKEN + 0, 2]])
+def test_entries_with_drafts_are_those_of_the_drafts_committed_and_leave_the_table(extra):
+    seq = Sequence(seq_id=0, prompt_token_ids=[3, 1, 7], params=SP(repetition_penalty=1.5), seed=0,
+                   output_token_ids=[7, 6, 6])
+    before = sequence_entries(seq, V).copy()
+    got = sequence_entries(seq, V, extra)
+    valid = [t for t in extra if 0 <= t < V]
+    assert got.T.tolist() == [list(e) for e in _table(PenaltyTokens([3, 1, 7], V).sync([7, 6, 6, *valid]))]
+    assert (sequence_entries(seq, V) == before).all()
+
+
+@pytest.mark.parametrize("params,want", [
+    (SP(repetition_penalty=1.2), [[1, 0], [3, 0], [7, 1], [6, 2]]),
+    (SP(presence_penalty=0.5, frequency_penalty=0.1), [[7, 1], [6, 2]]),   # output counts only
+])
+def test_prompt_entries_only_under_a_repetition_penalty(params, want):
+    seq = Sequence(seq_id=0, prompt_token_ids=[3, 1, 7], params=params, seed=0, output_token_ids=[7, 6, 6])
+    assert sequence_entries(seq, V).T.tolist() == want
 
 
 def test_pack_entries_lists_rows_in_order():
-    a, b, c = PenaltyTokens([2], V).sync([2, 5]), PenaltyTokens([], V), PenaltyTokens([7], V)
+    a, b, c = (PenaltyTokens(p, V).sync(o).entries for p, o in (([2], [2, 5]), ([], []), ([7], [])))
     assert pack_entries([a, b, c]).tolist() == [[0, 0, 2], [2, 5, 7], [1, 1, 0]]
     assert tuple(pack_entries([]).shape) == (3, 0)
 

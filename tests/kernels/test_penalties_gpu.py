@@ -54,7 +54,7 @@ def test_kernel_gives_torch_cuda_bits(batch):
 
     _, meta, _ = batch
     pen = meta.penalties
-    assert pen.entries.shape[1] > 100_000
+    assert pen.entries.shape[1] > 80_000
     # Random float32 logits: products and sums whose fused and unfused roundings differ somewhere.
     gen = torch.Generator(device=DEV).manual_seed(1)
     x = torch.randn(S, V, generator=gen, device=DEV) * 9
