@@ -134,6 +134,9 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        # generate() keeps every request's Sequence until it returns: drop the penalty table now (tens of
+        # KB a request) so a long call does not hold one per finished request.
+        seq.penalty_tokens = None
         self._ids.discard(seq.seq_id)
 
     def has_unfinished(self) -> bool:

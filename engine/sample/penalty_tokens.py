@@ -46,10 +46,6 @@ class PenaltyTokens:
         self._consumed = 0   # outputs taken in so far
 
     @property
-    def size(self) -> int:
-        return self._size
-
-    @property
     def entries(self) -> np.ndarray:
         """int32 [2, size]: the distinct ids and their output counts (0 for an id seen only in the prompt);
         a view, valid until the next `sync`."""

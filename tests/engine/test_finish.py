@@ -194,3 +194,21 @@ def test_finish_and_abort_drop_grammar_and_detokenizer(llm, monkeypatch):
     assert all(s.grammar is None and s.detokenizer is None for s in seqs)
     monkeypatch.undo()
     assert llm.generate(["a"], SamplingParams(max_tokens=32, choice=CHOICE), use_tqdm=False)[0].text in CHOICE
+
+
+def test_a_finished_request_holds_no_penalty_table(llm, monkeypatch):
+    seqs: list[Sequence] = []
+    add = llm.engine.add
+    monkeypatch.setattr(llm.engine, "add", lambda seq: (seqs.append(seq), add(seq))[1])
+    built: list[bool] = []
+    build = llm.engine.outputs.build_output
+
+    def check(seq, prompt):
+        built.append(seq.penalty_tokens is None)   # dropped as soon as the request finished
+        return build(seq, prompt)
+
+    monkeypatch.setattr(llm.engine.outputs, "build_output", check)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4)
+    outs = llm.generate(["a b", "c d e", "f"], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert built == [True] * 3 and all(s.penalty_tokens is None for s in seqs)

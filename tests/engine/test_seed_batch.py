@@ -58,6 +58,9 @@ def test_all_seeded_needs_no_encoding():
 
 @pytest.mark.parametrize("prompts", [[[1, 2], [3, 4]], [[1, 2], [True, 4]]])   # vectorised and fallback paths
 def test_a_parameter_no_seed_can_come_from_names_its_prompt(prompts):
-    bad = SamplingParams(temperature=float("inf"))
+    # SamplingParams refuses inf when built; one forced past the frozen dataclass still gets an error naming
+    # its prompt, never a seed.
+    bad = SamplingParams()
+    object.__setattr__(bad, "temperature", float("inf"))
     with pytest.raises(ValueError, match=r"prompt 1: SamplingParams.temperature=inf cannot be fingerprinted"):
         request_seeds(0, prompts, [GREEDY, bad])
