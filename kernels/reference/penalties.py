@@ -19,7 +19,7 @@ import torch
 def check_penalty_args(logits: torch.Tensor, rows: torch.Tensor, params: torch.Tensor,
                        entries: torch.Tensor) -> None:
     """ValueError naming the argument unless logits are float32 [S, V] with unit stride along V, rows int64
-    [P], params float32 [3, P], entries int32 [3, E], all on the logits' device."""
+    [P], params float32 [3, P], entries int32 [3, E], the last three contiguous, all on the logits' device."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or (logits.numel() and logits.stride(1) != 1):
         raise ValueError(f"logits: expected float32 [S, V] with unit stride along V, got {logits.dtype} "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
@@ -33,6 +33,8 @@ def check_penalty_args(logits: torch.Tensor, rows: torch.Tensor, params: torch.T
     for name, t in (("rows", rows), ("params", params), ("entries", entries)):
         if t.device != logits.device:
             raise ValueError(f"{name}: on {t.device}, logits on {logits.device}")
+        if not t.is_contiguous():   # the kernel indexes them as flat arrays
+            raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
 
 
 def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, params: torch.Tensor,

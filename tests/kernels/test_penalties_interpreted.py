@@ -81,6 +81,8 @@ def test_sampler_kernel_path_equals_torch_path_with_penalties(seed):
     (lambda x, r, p, e: (x, r.to(torch.int32), p, e), "rows: expected int64"),
     (lambda x, r, p, e: (x, r, p[:2], e), r"params: expected float32 \[3, "),
     (lambda x, r, p, e: (x, r, p, e.long()), "entries: expected int32"),
+    (lambda x, r, p, e: (x, r, p, e[:, :-1]), "entries: must be contiguous"),
+    (lambda x, r, p, e: (x, r, torch.stack([p, p], dim=-1)[..., 0], e), "params: must be contiguous"),
 ])
 def test_bad_arguments_are_named(kp, change, match):
     logits, meta = _batch(3, 50, 4)
