@@ -2,7 +2,8 @@
 
 Penalties read, per row, which ids appear in the prompt or the outputs (repetition) and how often each id
 appears in the outputs (presence, frequency). Rebuilding that from the token lists every step costs
-O(prompt + outputs) of Python per row and step (~10 ms a 256-row step at 512 + 128 tokens); a
+O(prompt + outputs) of Python per row and step (with dense tables, ~20 ms of host for a 256-row step at
+512 + ~128 tokens: benchmarks/RESULTS.md, 2026-12-04 03:00); a
 `PenaltyTokens` is built once from the prompt and then takes only the outputs appended since its last
 `sync`. A step's rows are packed as sparse entries (`pack_entries`): (row, id, output count) for each
 distinct id, so the device never builds a [rows, vocab] table either.
