@@ -38,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TypeVar
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,10 +218,36 @@ def _check(batch: Batch, path: str, what: str, allow_skips: bool) -> None:
 
 
 def skip_unless_interpreting(launcher: str) -> None:
-    """Preamble of an interpreted file: skip the module unless this process interprets Triton kernels."""
+    """Preamble of an interpreted file: skip the module unless this process interprets Triton kernels;
+    when it does, make the interpreter's `tl.dot` independent of its operands' memory layout."""
     if not INTERPRETING:
         pytest.skip(f"runs in a subprocess with TRITON_INTERPRET=1, started by {launcher}",
                     allow_module_level=True)
+    _layout_independent_dot()
+
+
+def _layout_independent_dot() -> None:
+    """The interpreter computes `tl.dot` with numpy's matmul on the operand tiles as they were loaded, and
+    OpenBLAS picks its kernel by the operands' strides: on some CPUs (AVX-512 ones, e.g. AMD EPYC Zen 4)
+    a transposed or strided tile goes through a kernel that sums K in another order, so two kernels doing
+    the same tile products (a TMA-descriptor load and a pointer load of one tile) differed in the last bit
+    under the interpreter, on those machines only. A GPU's MMA does not care how its tile was laid out in
+    memory; giving numpy contiguous copies makes the interpreter agree, so the tests that compare kernels
+    bit for bit compare their arithmetic, not the host's BLAS dispatch. Values are unchanged."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "_deepinfer_contiguous", False):
+        return
+    plain = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a = interpreter.TensorHandle(np.ascontiguousarray(a.data), a.dtype)
+        b = interpreter.TensorHandle(np.ascontiguousarray(b.data), b.dtype)
+        return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._deepinfer_contiguous = True
+    builder.create_dot = create_dot
 
 
 def interpreted_kernels(module: str, *kernels: str) -> ModuleType:
