@@ -51,7 +51,8 @@ from shapes import PARAMS, write_shape
 ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eager (no prefill CUDA graphs)"),
                 "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs"),
                 "nopdl": ("DEEPINFER_DISABLE_PDL", "plain launches (no programmatic dependent launch)"),
-                "nosk": ("DEEPINFER_DISABLE_SAMPLING_KERNEL", "the torch sampler (no sampling kernels)")}
+                "nosk": ("DEEPINFER_DISABLE_SAMPLING_KERNEL", "the torch sampler (no sampling kernels)"),
+                "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step")}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -210,7 +211,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=256)
     ap.add_argument("--modes", default="deterministic,fast,hf",
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
-                         "+nopdl (no PDL), +nosk (torch sampler), +topp (top-k 50 / top-p 0.95 sampling), "
+                         "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
+                         "+topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",

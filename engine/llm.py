@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SeqType
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from deepinfer.engine.core.kv_cache import (
     blocks_that_fit,
     cache_layout_for,
 )
+from deepinfer.engine.core.request_feed import FEED_CHUNK, QUEUE_ALL_ENV, RequestFeed
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.core.window_blocks import make_block_manager
@@ -37,7 +39,7 @@ from deepinfer.engine.runner.prefill_graphs import make_prefill_graphs
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
 from deepinfer.engine.sample.rng import request_seed, sample_seed
-from deepinfer.engine.sample.seed_batch import request_seeds
+from deepinfer.engine.sample.seed_batch import fingerprint_parts, request_seeds
 from deepinfer.engine.spec_decode.config import MTPConfig
 from deepinfer.engine.spec_decode.setup import MTPLoader, attach_draft_cache
 from deepinfer.engine.spec_decode.step import SpecDecoder
@@ -226,11 +228,10 @@ class LLM:
         return self.tokenizer
 
     # ---- requests -------------------------------------------------------------------------------
-    def _make_seqs(self, index: int, prompt_ids: list[int], params: SamplingParams,
-                   seed: int | None = None) -> list[Sequence]:
-        """The request's n sequences (sample i seeded by rng.sample_seed(row seed, i)); ValueError names
-        the request when it cannot run. `seed`: the row seed when the caller derived it already (it must be
-        `params.seed` or `request_seed`'s)."""
+    def _check_request(self, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming request `index` when it can never run here: an empty or too long prompt, a
+        token id outside the vocabulary, a grammar that does not compile, a prompt and output cap the KV
+        cache cannot hold."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -245,8 +246,20 @@ class LLM:
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab})")
         self._structured.validate(params)  # compiles a constrained request's grammar; no-op otherwise
+        problem = self.engine.scheduler.refusal(n, params.max_tokens)
+        if problem is not None:
+            raise ValueError(f"prompt {index}: {problem}")
+
+    def _make_seqs(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                   seed: int | None = None, checked: bool = False) -> list[Sequence]:
+        """The request's n sequences (sample i seeded by rng.sample_seed(row seed, i)); ValueError names
+        the request when it cannot run. `seed`: the row seed when the caller derived it already (it must be
+        `params.seed` or `request_seed`'s). `checked`: `_check_request` passed already."""
+        if not checked:
+            self._check_request(index, prompt_ids, params)
         if seed is None:
             seed = request_seed(self.seed, prompt_ids, params)
+        n = len(prompt_ids)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seqs.append(Sequence(
@@ -322,10 +335,18 @@ class LLM:
         # enough to set off a full collection (133 ms measured on the H200 host) before the first step.
         with quiet_gc():
             texts, token_lists = self._prompt_items(prompts)
-            seeds = request_seeds(self.seed, token_lists, params_list)   # one pass over every prompt
-            rows = enumerate(zip(token_lists, params_list, seeds))
-            groups = [self._make_seqs(i, ids, sp, seed) for i, (ids, sp, seed) in rows]
-            return self._run(groups, texts, use_tqdm)
+            for i, (ids, sp) in enumerate(zip(token_lists, params_list)):
+                self._check_request(i, ids, sp)
+            fingerprints = fingerprint_parts(params_list)   # refuses a params no seed derives from, now
+
+            def build(first: int, stop: int) -> list[list[Sequence]]:
+                # Seeds and sequences a chunk at a time, as the engine loop asks (core/request_feed.py).
+                seeds = request_seeds(self.seed, token_lists[first:stop], params_list[first:stop],
+                                      fingerprints)
+                return [self._make_seqs(i, token_lists[i], params_list[i], seed, checked=True)
+                        for i, seed in zip(range(first, stop), seeds)]
+
+            return self._run(build, [sp.n for sp in params_list], texts, use_tqdm)
 
     def chat(
         self,
@@ -345,18 +366,27 @@ class LLM:
             o.prompt = p
         return outs
 
-    def _run(self, groups: list[list[Sequence]], texts: list[str | None],
-             use_tqdm: bool) -> list[RequestOutput]:
-        """Run every request's sequences; one RequestOutput per request, its samples in index order."""
-        index = {s.seq_id: i for i, g in enumerate(groups) for s in g}
-        done: list[list[RequestOutput]] = [[] for _ in groups]
+    def _run(self, build: Callable[[int, int], list[list[Sequence]]], samples: list[int],
+             texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+        """Run requests 0 .. len(samples) - 1, request i of samples[i] sequences, built by `build(first,
+        stop)` as the engine asks for them (core/request_feed.py); one RequestOutput per request, its
+        samples in index order."""
+        done: list[list[RequestOutput]] = [[] for _ in samples]
         bar = None
-        if use_tqdm and groups:
+        if use_tqdm and samples:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(index), desc="generate", unit="seq", dynamic_ncols=True)
+            bar = tqdm(total=sum(samples), desc="generate", unit="seq", dynamic_ncols=True)
         t0 = time.perf_counter()
         out_tokens = 0
+
+        # A request's index by its sequences' ids, filled as the feed builds them.
+        index: dict[int, int] = {}
+
+        def build_indexed(first: int, stop: int) -> list[list[Sequence]]:
+            groups = build(first, stop)
+            index.update((s.seq_id, i) for i, g in zip(range(first, stop), groups) for s in g)
+            return groups
 
         def on_finish(seq: Sequence) -> None:
             nonlocal out_tokens
@@ -368,10 +398,9 @@ class LLM:
                 bar.set_postfix(out_tok_s=f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
 
         try:
-            for group in groups:
-                for seq in group:
-                    self.engine.add(seq)
-            self.engine.run(on_finish)
+            # The A/B switch builds every request before the first step (one chunk), as before the feed.
+            chunk = max(1, len(samples)) if env_flag(QUEUE_ALL_ENV) else FEED_CHUNK
+            self.engine.run(on_finish, RequestFeed(build_indexed, len(samples), chunk))
         except BaseException:
             self.engine.abort_all()  # leave the engine empty and usable for the next call
             raise

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from deepinfer.engine.core.gc_scope import quiet_gc
 from deepinfer.engine.core.overlap import OverlapStats, run_overlapped
+from deepinfer.engine.core.request_feed import RequestFeed
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.runner.model_runner import ModelRunner
@@ -87,20 +88,28 @@ class EngineCore:
             seq.detokenizer = None
             seq.block_hashes.clear()
 
-    def run(self, on_finish: Callable[[Sequence], None]) -> None:
-        """Step until no request is pending, calling `on_finish` for each one as it finishes. MTP steps are
-        synchronous; once drafting turns itself off the rest of the run takes the configured loop. The
-        cyclic collector is kept quiet during the run (core/gc_scope.py)."""
+    def run(self, on_finish: Callable[[Sequence], None], feed: RequestFeed | None = None) -> None:
+        """Step until no request is pending, calling `on_finish` for each one as it finishes. `feed`: more
+        requests, added as the scheduler's waiting queue runs short (core/request_feed.py) instead of all
+        before the first step. MTP steps are synchronous; once drafting turns itself off the rest of the run
+        takes the configured loop. The cyclic collector is kept quiet during the run (core/gc_scope.py)."""
+        feed = feed if feed is not None else RequestFeed(lambda first, stop: [], 0)
         with quiet_gc():
-            self._run(on_finish)
+            self._run(on_finish, feed)
 
-    def _run(self, on_finish: Callable[[Sequence], None]) -> None:
-        while self.spec is not None and self.spec.active and self.scheduler.has_unfinished():
+    def pending(self, feed: RequestFeed) -> bool:
+        """Whether a request is queued, running, or still to come from `feed`."""
+        return self.scheduler.has_unfinished() or not feed.exhausted
+
+    def _run(self, on_finish: Callable[[Sequence], None], feed: RequestFeed) -> None:
+        while self.spec is not None and self.spec.active and self.pending(feed):
+            feed.top_up(self)
             for seq in self.step():
                 on_finish(seq)
         if self.async_scheduling:
-            run_overlapped(self, on_finish, self.overlap_stats)
+            run_overlapped(self, on_finish, self.overlap_stats, feed)
             return
-        while self.scheduler.has_unfinished():
+        while self.pending(feed):
+            feed.top_up(self)
             for seq in self.step():
                 on_finish(seq)

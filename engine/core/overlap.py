@@ -31,6 +31,7 @@ from deepinfer.engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStat
 
 if TYPE_CHECKING:
     from deepinfer.engine.core.engine_core import EngineCore
+    from deepinfer.engine.core.request_feed import RequestFeed
     from deepinfer.engine.runner.step_executor import SampledTokens
 
 
@@ -54,12 +55,15 @@ class OverlapStats:
     wasted_rows: int = 0       # forward rows of sequences found finished before their sampling
 
 
-def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stats: OverlapStats) -> None:
-    """Step `core` until no request is pending, one step in flight, calling `on_finish` as requests end."""
+def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stats: OverlapStats,
+                   feed: RequestFeed) -> None:
+    """Step `core` until no request is pending, one step in flight, calling `on_finish` as requests end.
+    `feed`'s requests are built before a schedule, while the device runs the step in flight."""
     sched, executor = core.scheduler, core.executor
     inflight: InFlight | None = None
     try:
-        while inflight is not None or sched.has_unfinished():
+        while inflight is not None or core.pending(feed):
+            feed.top_up(core)
             out = sched.schedule()
             fwd = None
             if not out.is_empty:

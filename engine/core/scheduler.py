@@ -83,35 +83,42 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------------
     def max_kv_tokens(self, seq: Sequence) -> int:
         """KV slots `seq` needs at most: every token but the last sampled one is computed."""
-        p = seq.num_prompt_tokens
-        out_cap = self.cfg.max_model_len - p
-        if seq.params.max_tokens is not None:
-            out_cap = min(out_cap, seq.params.max_tokens)
-        return p + out_cap - 1
+        return self._kv_slots(seq.num_prompt_tokens, seq.params.max_tokens)
+
+    def _kv_slots(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        out_cap = self.cfg.max_model_len - num_prompt_tokens
+        if max_tokens is not None:
+            out_cap = min(out_cap, max_tokens)
+        return num_prompt_tokens + out_cap - 1
+
+    def refusal(self, num_prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why a request of this prompt length and output cap can never run here (None when it can): an
+        empty prompt, a prompt not shorter than max_model_len, or more KV than the whole cache holds
+        (prompt + output cap - 1 tokens). Callers that validate requests before queueing them ask this."""
+        p = num_prompt_tokens
+        if p == 0:
+            return "the prompt is empty; give at least one token"
+        if p >= self.cfg.max_model_len:
+            return (f"prompt of {p} tokens leaves no room for output under max_model_len="
+                    f"{self.cfg.max_model_len}; shorten the prompt or raise max_model_len")
+        need = self._kv_slots(p, max_tokens)
+        capacity = self.block_manager.token_capacity()
+        if need > capacity:
+            return (f"prompt of {p} tokens + up to {need + 1 - p} output tokens needs {need} KV slots but "
+                    f"the cache holds {capacity} ({self.block_manager.num_blocks} blocks of "
+                    f"{self.block_size}); lower max_tokens or max_model_len, or give the KV cache more "
+                    "memory")
+        return None
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request. Raises ValueError when it can never run: empty prompt, prompt not shorter
-        than max_model_len, or more KV than the whole cache holds (prompt + output cap - 1 tokens)."""
+        """Queue a new request. Raises ValueError when it can never run (`refusal`)."""
         if seq.seq_id in self._ids:
             raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
         if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"seq {seq.seq_id} must be new (WAITING, nothing computed, no blocks)")
-        p = seq.num_prompt_tokens
-        if p == 0:
-            raise ValueError(f"seq {seq.seq_id}: the prompt is empty; give at least one token")
-        if p >= self.cfg.max_model_len:
-            raise ValueError(
-                f"seq {seq.seq_id}: prompt of {p} tokens leaves no room for output under "
-                f"max_model_len={self.cfg.max_model_len}; shorten the prompt or raise max_model_len"
-            )
-        need = self.max_kv_tokens(seq)
-        capacity = self.block_manager.token_capacity()
-        if need > capacity:
-            raise ValueError(
-                f"seq {seq.seq_id}: prompt of {p} tokens + up to {need + 1 - p} output tokens needs "
-                f"{need} KV slots but the cache holds {capacity} ({self.block_manager.num_blocks} blocks of "
-                f"{self.block_size}); lower max_tokens or max_model_len, or give the KV cache more memory"
-            )
+        problem = self.refusal(seq.num_prompt_tokens, seq.params.max_tokens)
+        if problem is not None:
+            raise ValueError(f"seq {seq.seq_id}: {problem}")
         prio = _priority(seq)
         if self._last_priority is not None and prio < self._last_priority:
             raise ValueError(
@@ -242,8 +249,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self._awaits_leader(seq):
                 break   # FCFS: the sibling keeps its place; its leader's prefill ends within a step or two
-            # A cached position is never computed, so a request reporting prompt logprobs computes them all.
-            cached = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
+            cached = self._cached_blocks(seq)
             start = len(cached) * self.block_size
             n = self._chunk(seq, start, budget)
             if n == 0 or not bm.can_allocate(seq, n, cached):
@@ -257,6 +263,17 @@ class Scheduler:
             if start + n < seq.num_tokens:
                 break   # a chunked prefill takes the rest of this step's budget
         return budget
+
+    def _cached_blocks(self, seq: Sequence) -> list[int]:
+        # A cached position is never computed, so a request reporting prompt logprobs computes them all.
+        return self.block_manager.match_prefix(seq) if seq.prompt_logprobs is None else []
+
+    def admission_tokens(self, seq: Sequence) -> int:
+        """Tokens the waiting `seq` would compute, all chunks together, if admitted now: those after its
+        cached prefix. Between now and its admission the cache can only lose blocks within a step (the
+        step's running sequences may evict, nothing registers), so this never exceeds what admission
+        will count."""
+        return seq.num_tokens - len(self._cached_blocks(seq)) * self.block_size
 
     def _awaits_leader(self, seq: Sequence) -> bool:
         """True while `seq` (sample i > 0 of a request) would miss prompt blocks that its leader (sample 0)

@@ -30,10 +30,27 @@ from deepinfer.engine.sample.rng import (
 _ZERO, _COLON, _I = 48, 58, 105   # ASCII "0", ":", "i"
 
 
+def fingerprint_parts(params_list: SequenceABC[SamplingParams]) -> dict[int, bytes]:
+    """The encoded fingerprint of every distinct params object (by id) without its own seed, as
+    `request_seeds` hashes it; ValueError names the first request whose params no seed can be derived
+    from (e.g. temperature=inf). Lets a caller refuse such a request before any runs and then build the
+    seeds chunk by chunk (LLM.generate)."""
+    parts: dict[int, bytes] = {}
+    for i, params in enumerate(params_list):
+        if params.seed is None and id(params) not in parts:
+            try:
+                parts[id(params)] = encode_parts([params_fingerprint(params)])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+    return parts
+
+
 def request_seeds(engine_seed: int, prompts: SequenceABC[SequenceABC[int]],
-                  params_list: SequenceABC[SamplingParams]) -> list[int]:
+                  params_list: SequenceABC[SamplingParams],
+                  fingerprints: dict[int, bytes] | None = None) -> list[int]:
     """`request_seed(engine_seed, prompts[i], params_list[i])` for every i (a request's own seed where its
-    params give one)."""
+    params give one). `fingerprints`: `fingerprint_parts` of these params (or of a list holding them),
+    reused instead of encoding each distinct params object again."""
     if len(prompts) != len(params_list):
         raise ValueError(f"request_seeds: {len(prompts)} prompts but {len(params_list)} SamplingParams")
     seeds: list[int | None] = [p.seed for p in params_list]
@@ -50,16 +67,11 @@ def request_seeds(engine_seed: int, prompts: SequenceABC[SequenceABC[int]],
         return seeds   # type: ignore[return-value]
     text, ends = _encode_ids(ids, [len(prompts[i]) for i in todo])
     head = encode_parts([engine_seed])
-    fingerprints: dict[int, bytes] = {}      # one fingerprint per distinct params object
+    if fingerprints is None:
+        fingerprints = fingerprint_parts(params_list)   # raises, naming the request
     start = 0
     for i, end in zip(todo, ends.tolist()):
-        params = params_list[i]
-        fp = fingerprints.get(id(params))
-        if fp is None:
-            try:
-                fp = fingerprints[id(params)] = encode_parts([params_fingerprint(params)])
-            except ValueError as e:   # a parameter no seed can be derived from (e.g. temperature=inf)
-                raise ValueError(f"prompt {i}: {e}") from None
+        fp = fingerprints[id(params_list[i])]
         seeds[i] = request_seed_of_encoded(head, len(prompts[i]), text[start:end], fp)
         start = end
     return seeds   # type: ignore[return-value]   (every None was filled)

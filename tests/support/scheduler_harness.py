@@ -11,8 +11,11 @@ contract.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from deepinfer.engine.core.config import CacheConfig, SchedulerConfig
 from deepinfer.engine.core.finish import FinishRules
+from deepinfer.engine.core.request_feed import RequestFeed
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from deepinfer.engine.core.sequence import Sequence, SequenceStatus
@@ -83,12 +86,17 @@ def make_scheduler(num_blocks=64, block_size=16, budget=256, max_seqs=8, max_mod
 Step = list[tuple[int, int, int, bool]]   # (seq_id, start, num_new_tokens, sample) per scheduled sequence
 
 
-def run(sched: Scheduler, runner, max_steps: int = 5000) -> tuple[list[Step], list[Sequence]]:
-    """The engine loop; checks the per-step contract and returns (steps, finished-in-order)."""
+def run(sched: Scheduler, runner, max_steps: int = 5000,
+        feed: RequestFeed | None = None) -> tuple[list[Step], list[Sequence]]:
+    """The engine loop; checks the per-step contract and returns (steps, finished-in-order). `feed`: more
+    requests, topped up before each schedule as EngineCore does (core/request_feed.py)."""
     cfg, bm = sched.cfg, sched.block_manager
     steps, finished = [], []
-    while sched.has_unfinished():
+    target = SimpleNamespace(scheduler=sched, add=sched.add)   # what RequestFeed.top_up reads of a core
+    while sched.has_unfinished() or (feed is not None and not feed.exhausted):
         assert len(steps) < max_steps, "no progress"
+        if feed is not None:
+            feed.top_up(target)
         out = sched.schedule()
         assert not out.is_empty, "unfinished sequences but an empty step"
         ids = [s.seq.seq_id for s in out.scheduled]
