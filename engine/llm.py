@@ -45,6 +45,7 @@ from deepinfer.engine.spec_decode.setup import MTPLoader, attach_draft_cache
 from deepinfer.engine.spec_decode.step import SpecDecoder
 from deepinfer.engine.structured.lazy import LazyStructuredOutputs
 from deepinfer.engine.text.output_processor import OutputProcessor
+from deepinfer.engine.text.prompts import prompt_items
 from deepinfer.engine.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -277,35 +278,6 @@ class LLM:
             raise ValueError(f"_make_seq: request {index} asks for n={params.n} samples; use _make_seqs")
         return self._make_seqs(index, prompt_ids, params)[0]
 
-    def _prompt_items(self, prompts: list) -> tuple[list[str | None], list[list[int]]]:
-        """(prompt texts, token ids) of str, token-id list, {"prompt": str} or {"prompt_token_ids": [...]}
-        items (vLLM's TextPrompt / TokensPrompt); strings are tokenized in one batch."""
-        texts: list[str | None] = []
-        raw: list[str | list[int]] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, dict):
-                extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
-                if extra or len(p) != 1:
-                    raise ValueError(f"prompt {i}: a dict prompt holds exactly one of 'prompt' (str) or "
-                                     f"'prompt_token_ids' (list of ints); got keys {sorted(p)}")
-                p = p.get("prompt", p.get("prompt_token_ids"))
-                if "prompt" in prompts[i] and not isinstance(p, str):
-                    raise ValueError(f"prompt {i}: 'prompt' must be a string, not {type(p).__name__}")
-            if isinstance(p, str):
-                texts.append(p)
-                raw.append(p)
-            elif isinstance(p, (list, tuple)) and all(issubclass(t, int) for t in set(map(type, p))):
-                texts.append(None)
-                raw.append(list(p))
-            else:
-                kind = type(p).__name__
-                raise ValueError(f"prompt {i} must be a string or a list of token ids, not {kind}")
-        str_idx = [i for i, p in enumerate(raw) if isinstance(p, str)]
-        encoded: dict[int, list[int]] = {}
-        if str_idx:
-            encoded = dict(zip(str_idx, self.tokenizer.encode_batch([raw[i] for i in str_idx])))
-        return texts, [encoded[i] if isinstance(p, str) else p for i, p in enumerate(raw)]
-
     def generate(
         self,
         prompts: str | dict | list[str] | list[list[int]] | list[dict],
@@ -334,7 +306,7 @@ class LLM:
         # The collector kept quiet from here, not only in the engine's run: building 256 requests allocates
         # enough to set off a full collection (133 ms measured on the H200 host) before the first step.
         with quiet_gc():
-            texts, token_lists = self._prompt_items(prompts)
+            texts, token_lists = prompt_items(prompts, self.tokenizer)
             for i, (ids, sp) in enumerate(zip(token_lists, params_list)):
                 self._check_request(i, ids, sp)
             fingerprints = fingerprint_parts(params_list)   # refuses a params no seed derives from, now
