@@ -360,14 +360,13 @@ class LLM:
             index.update((s.seq_id, i) for i, g in zip(range(first, stop), groups) for s in g)
             return groups
 
-        def on_finish(seqs: list[Sequence]) -> None:
+        def on_finish(seq: Sequence) -> None:
             nonlocal out_tokens
-            rows = [index[seq.seq_id] for seq in seqs]
-            for i, out in zip(rows, self.engine.outputs.build_outputs(seqs, [texts[i] for i in rows])):
-                done[i].append(out)
-            out_tokens += sum(seq.num_output_tokens for seq in seqs)
+            i = index[seq.seq_id]
+            done[i].append(self.engine.outputs.build_output(seq, texts[i]))
+            out_tokens += seq.num_output_tokens
             if bar is not None:
-                bar.update(len(seqs))
+                bar.update(1)
                 bar.set_postfix(out_tok_s=f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
 
         try:

@@ -88,10 +88,8 @@ class EngineCore:
             seq.detokenizer = None
             seq.block_hashes.clear()
 
-    def run(self, on_finish: Callable[[list[Sequence]], None], feed: RequestFeed | None = None) -> None:
-        """Step until no request is pending, calling `on_finish` once per step with the requests that
-        finished in it (never with an empty list: the outputs of a step are built together, e.g. their
-        texts decoded in one batch, OutputProcessor.build_outputs). `feed`: more
+    def run(self, on_finish: Callable[[Sequence], None], feed: RequestFeed | None = None) -> None:
+        """Step until no request is pending, calling `on_finish` for each one as it finishes. `feed`: more
         requests, added as the scheduler's waiting queue runs short (core/request_feed.py) instead of all
         before the first step. MTP steps are synchronous; once drafting turns itself off the rest of the run
         takes the configured loop. The cyclic collector is kept quiet during the run (core/gc_scope.py)."""
@@ -103,15 +101,15 @@ class EngineCore:
         """Whether a request is queued, running, or still to come from `feed`."""
         return self.scheduler.has_unfinished() or not feed.exhausted
 
-    def _run(self, on_finish: Callable[[list[Sequence]], None], feed: RequestFeed) -> None:
+    def _run(self, on_finish: Callable[[Sequence], None], feed: RequestFeed) -> None:
         while self.spec is not None and self.spec.active and self.pending(feed):
             feed.top_up(self)
-            if finished := self.step():
-                on_finish(finished)
+            for seq in self.step():
+                on_finish(seq)
         if self.async_scheduling:
             run_overlapped(self, on_finish, self.overlap_stats, feed)
             return
         while self.pending(feed):
             feed.top_up(self)
-            if finished := self.step():
-                on_finish(finished)
+            for seq in self.step():
+                on_finish(seq)

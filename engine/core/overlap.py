@@ -55,11 +55,10 @@ class OverlapStats:
     wasted_rows: int = 0       # forward rows of sequences found finished before their sampling
 
 
-def run_overlapped(core: EngineCore, on_finish: Callable[[list[Sequence]], None], stats: OverlapStats,
+def run_overlapped(core: EngineCore, on_finish: Callable[[Sequence], None], stats: OverlapStats,
                    feed: RequestFeed) -> None:
-    """Step `core` until no request is pending, one step in flight, calling `on_finish` with each step's
-    finished requests (EngineCore.run). `feed`'s requests are built before a schedule, while the device
-    runs the step in flight."""
+    """Step `core` until no request is pending, one step in flight, calling `on_finish` as requests end.
+    `feed`'s requests are built before a schedule, while the device runs the step in flight."""
     sched, executor = core.scheduler, core.executor
     inflight: InFlight | None = None
     try:
@@ -93,10 +92,9 @@ def run_overlapped(core: EngineCore, on_finish: Callable[[list[Sequence]], None]
                     seq.output_token_ids.pop()
 
 
-def _apply(core: EngineCore, step: InFlight, on_finish: Callable[[list[Sequence]], None]) -> None:
+def _apply(core: EngineCore, step: InFlight, on_finish: Callable[[Sequence], None]) -> None:
     finished = core.scheduler.update(step.out, step.tokens.resolve(), launched=True)
-    if core.structured is not None:
-        for seq in finished:
+    for seq in finished:
+        if core.structured is not None:
             core.structured.free(seq)
-    if finished:
-        on_finish(finished)
+        on_finish(seq)

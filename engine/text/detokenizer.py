@@ -184,40 +184,7 @@ def decode_output(tokenizer: _Decoder, prompt_token_ids: Sequence[int], output_t
     at the end instead of once per token. The same prompt context is used, so the result matches the
     incremental text (the tests compare them).
     """
-    return decode_outputs(tokenizer, [(prompt_token_ids, output_token_ids)], skip_special_tokens)[0]
-
-
-def decode_outputs(tokenizer: _Decoder, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-                   skip_special_tokens: bool = True) -> list[str]:
-    """`decode_output` of many (prompt ids, output ids) pairs: the same texts, decoded in two batches.
-
-    The requests a step finishes are decoded together (OutputProcessor.build_outputs): a tokenizer with
-    `decode_batch` (the tokenizers library's, which decodes on its thread pool) then costs the host a
-    fraction of one decode per request, after the last step of a run while the device waits.
-    What `IncrementalDetokenizer.finish` computes for a window that was never fed token by token: the
-    context is the prompt's last PROMPT_CONTEXT_TOKENS ids unless their text ends inside a character, and
-    the output is the decoded context + output past the context's own text.
-    """
-    contexts = [list(p[-PROMPT_CONTEXT_TOKENS:]) if PROMPT_CONTEXT_TOKENS else [] for p, _ in requests]
-    prefixes = _decode_many(tokenizer, contexts, skip_special_tokens)
-    for i, prefix in enumerate(prefixes):
-        if prefix.endswith(_REPLACEMENT):   # as IncrementalDetokenizer.__init__: start clean
-            contexts[i], prefixes[i] = [], ""
-    windows = [c + list(o) for c, (_, o) in zip(contexts, requests)]
-    fulls = _decode_many(tokenizer, windows, skip_special_tokens)
-    return [full[len(prefix):] if o and len(full) > len(prefix) else ""
-            for full, prefix, (_, o) in zip(fulls, prefixes, requests)]
-
-
-def _decode_many(tokenizer: _Decoder, id_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
-    """decode of each list ("" for an empty one, without calling the tokenizer), batched when it can."""
-    batch = getattr(tokenizer, "decode_batch", None)
-    todo = [i for i, ids in enumerate(id_lists) if ids]
-    out = [""] * len(id_lists)
-    if batch is not None and len(todo) > 1:
-        texts = batch([id_lists[i] for i in todo], skip_special_tokens=skip_special_tokens)
-    else:
-        texts = [tokenizer.decode(id_lists[i], skip_special_tokens=skip_special_tokens) for i in todo]
-    for i, text in zip(todo, texts):
-        out[i] = text
-    return out
+    det = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    det._window.extend(output_token_ids)
+    det.finish()
+    return det.text

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from deepinfer.engine.text.detokenizer import IncrementalDetokenizer, decode_outputs
+from deepinfer.engine.text.detokenizer import IncrementalDetokenizer, decode_output
 from deepinfer.engine.text.tokenizer import Tokenizer
 
 
@@ -29,37 +29,16 @@ class OutputProcessor:
                 stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
             )
 
-    def build_outputs(self, seqs: list[Sequence], prompts: list[str | None]) -> list[RequestOutput]:
-        """The outputs of sequences that finished together (one engine step), `prompts[i]` the prompt text
-        of seqs[i]: their texts first (`final_texts`: one batched decode), then `build_output` of each."""
-        texts = self.final_texts(seqs)
-        return [self.build_output(seq, prompt, text) for seq, prompt, text in zip(seqs, prompts, texts)]
-
-    def final_texts(self, seqs: list[Sequence]) -> list[str]:
-        """Each finished sequence's output text, truncated at a matched stop string; drops the sequences'
-        incremental detokenizers. Those without stop strings were never decoded: they are decoded here in
-        one batch per `skip_special_tokens` value (detokenizer.decode_outputs, the same texts)."""
-        texts = [""] * len(seqs)
-        pending: dict[bool, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            detok, seq.detokenizer = seq.detokenizer, None
-            if detok is not None:
-                detok.finish()
-                texts[i] = detok.text
-            else:
-                pending.setdefault(seq.params.skip_special_tokens, []).append(i)
-        for skip, rows in pending.items():
-            pairs = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rows]
-            for i, text in zip(rows, decode_outputs(self.tokenizer, pairs, skip)):
-                texts[i] = text
-        return texts
-
-    def build_output(self, seq: Sequence, prompt: str | None, text: str | None = None) -> RequestOutput:
+    def build_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
         """The finished sequence's output: one completion (index = its sample index; LLM.generate merges
-        the n samples of a request), its text truncated at a matched stop string. `text`: that text when
-        the caller decoded it already (`build_outputs`)."""
-        if text is None:
-            text = self.final_texts([seq])[0]
+        the n samples of a request), its text truncated at a matched stop string."""
+        detok, seq.detokenizer = seq.detokenizer, None
+        if detok is not None:
+            detok.finish()
+            text = detok.text
+        else:
+            text = decode_output(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
+                                 seq.params.skip_special_tokens)
         logprobs = None
         cumulative = None
         if seq.logprobs is not None:

@@ -146,11 +146,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, id_lists: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        """``decode`` of each list, by the library's batch decode (its thread pool): the same texts."""
-        lists = [list(ids) for ids in id_lists]
-        return self._tok.decode_batch(lists, skip_special_tokens=skip_special_tokens)
-
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
 

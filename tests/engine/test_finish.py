@@ -181,7 +181,7 @@ def test_finish_and_abort_drop_grammar_and_detokenizer(llm, monkeypatch):
 
     monkeypatch.setattr(llm.engine, "add", record)
 
-    def fail(seq, prompt, text=None):
+    def fail(seq, prompt):
         assert seq.grammar is None   # dropped as soon as the request finished
         raise RuntimeError("consumer failed")
 
@@ -203,9 +203,9 @@ def test_a_finished_request_holds_no_penalty_table(llm, monkeypatch):
     built: list[bool] = []
     build = llm.engine.outputs.build_output
 
-    def check(seq, prompt, text=None):
+    def check(seq, prompt):
         built.append(seq.penalty_tokens is None)   # dropped as soon as the request finished
-        return build(seq, prompt, text)
+        return build(seq, prompt)
 
     monkeypatch.setattr(llm.engine.outputs, "build_output", check)
     params = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4)
