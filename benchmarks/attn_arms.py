@@ -16,11 +16,14 @@ def _pair(n: int = 64, warps: int = 4, stages: int = 3, pre_m: int = 64, **kw) -
     return (_cfg(16, n, warps, stages, swap=1, **kw), _cfg(pre_m, n, warps, stages, swap=1, **kw))
 
 
-def _plain(n: int = 64, warps: int = 4, stages: int = 2, pre_m: int = 32, **kw) -> tuple[dict, dict]:
+def _plain(n: int = 64, warps: int = 4, stages: int = 2, pre_m: int = 32, dec_stages: int | None = None,
+           **kw) -> tuple[dict, dict]:
     """(16-row untransposed decode config, `pre_m`-row untransposed prefill config). Below 64 rows the
     untransposed tile compiles to mma.sync for both (wgmma needs M % 64 == 0), and with BLOCK_M < BLOCK_N
-    Triton lays the warps out along the keys for both, so a row's arithmetic is the same in either."""
-    return (_cfg(16, n, warps, stages, **kw), _cfg(pre_m, n, warps, stages, **kw))
+    Triton lays the warps out along the keys for both, so a row's arithmetic is the same in either. The
+    stages (data movement only) may differ: `dec_stages` for decode, else `stages`."""
+    return (_cfg(16, n, warps, stages if dec_stages is None else dec_stages, **kw),
+            _cfg(pre_m, n, warps, stages, **kw))
 
 
 def _dsum(n: int, dec_warps: int, pre_warps: int = 4, stages: int = 3, pre_stages: int | None = None,
@@ -64,6 +67,13 @@ ARMS = {   # in order of interest: the budget guard drops the tail
         "mma2_n128s2": _plain(128),
         "mma2_n64s3": _plain(64, stages=3),
         "mma2_n128s2_p16": _plain(128, pre_m=16),
+        # one stage for decode: half the shared memory of the shipped tile, so the 512 programs of a
+        # 256-row 0.5B step (2 kv heads) fit the SMs in one wave instead of ~1.3
+        "mma2_n128_d1": _plain(128, dec_stages=1),
+        "mma2_n64_d1": _plain(64, dec_stages=1),
+        "mma2_n128_w2_d1": _plain(128, warps=2, dec_stages=1),
+        "mma2_n128_w2": _plain(128, warps=2),
+        "mma2_n64_w2_d1": _plain(64, warps=2, dec_stages=1),
     },
     "e4m3": {
         "cur": None,

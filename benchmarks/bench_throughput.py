@@ -52,7 +52,9 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
                 "plaingc": ("DEEPINFER_DISABLE_QUIET_GC", "CPython's collector defaults during runs"),
                 "nopdl": ("DEEPINFER_DISABLE_PDL", "plain launches (no programmatic dependent launch)"),
                 "nosk": ("DEEPINFER_DISABLE_SAMPLING_KERNEL", "the torch sampler (no sampling kernels)"),
-                "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step")}
+                "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step"),
+                "reduce": ("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM",
+                           "split-K partials reduced in their own kernel, not in the next RMSNorm")}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -212,6 +214,7 @@ def main() -> None:
     ap.add_argument("--modes", default="deterministic,fast,hf",
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
                          "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
+                         "+reduce (split-K reduced apart from the norm), "
                          "+topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")

@@ -69,7 +69,7 @@ def _rms_norm_quant_kernel(
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
     res_row = res_out_ptr + row * stride_res_out
-    y, mask = rms_norm_row(x_row, r_row, w_ptr, res_row, offs, H, eps, HAS_RESIDUAL)
+    y, mask = rms_norm_row(x_row, r_row, w_ptr, res_row, offs, H, eps, HAS_RESIDUAL, 0, x_row, 0, False)
     # The norm's output as rmsnorm.py stores it (rounded to the input dtype), then quantize_rows' steps.
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     scale = row_scale(tl.max(tl.abs(y), axis=0), EPS, QMAX)

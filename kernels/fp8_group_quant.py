@@ -56,7 +56,8 @@ def _rms_norm_group_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     y, mask = rms_norm_row(x_ptr + row * stride_x, r_ptr + row * stride_r, w_ptr,
-                           res_out_ptr + row * stride_res_out, offs, H, eps, HAS_RESIDUAL)
+                           res_out_ptr + row * stride_res_out, offs, H, eps, HAS_RESIDUAL, 0, x_ptr, 0,
+                           False)
     # The norm's output as rmsnorm.py stores it (rounded to the input dtype); masked columns are 0, so a
     # partial last group's max is that of its real columns (quantize_act pads with zeros too).
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)

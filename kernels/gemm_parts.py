@@ -56,6 +56,21 @@ def store_partial(acc, part_ptr, split, offs_m, offs_n, M, N):
 
 
 @triton.jit
+def sum_partials(part_ptr, offs, mask, split_stride, b_ptr, b_offs, SPLITS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """((part[0] + part[1]) + part[2]) ... (+ bias) in float32 at flat offsets `offs` of one partial
+    (part[s] starts `split_stride` elements after part[s - 1]); the bias at `b_offs`. The fixed order the
+    parallel split-K's result is defined by: its reduce (kernels/matmul_split.py) and the RMSNorm that
+    reads the partials itself (kernels/rmsnorm.py) both sum here, so both give the same bits."""
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M: tl.constexpr):
     """(row tile, column tile) of output tile `tile` in grouped order: GROUP_M row tiles sweep the same
     weight columns together, for L2 reuse. tiles_per_group = GROUP_M * (column tiles)."""

@@ -36,7 +36,7 @@ import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms, stages_that_fit
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
 from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue, split_ranges
-from deepinfer.kernels.matmul_split import split_launch
+from deepinfer.kernels.matmul_split import SplitSum, split_launch, split_partials
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 
 
@@ -277,7 +277,8 @@ def bi_linear(
     config: MatmulConfig | None = None,
     planner: MatmulPlanner | None = None,
     swiglu: bool = False,
-) -> torch.Tensor:
+    defer_sum: bool = False,
+) -> torch.Tensor | SplitSum:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, batch-invariant.
 
     `config` overrides the tile config (benchmarks); else `planner` picks it by M bucket where that is
@@ -286,6 +287,8 @@ def bi_linear(
     interleave_halves) and the result is silu(gate) * up [M, N / 2], computed in the GEMM's epilogue: bitwise
     kernels/activation.silu_and_mul of this function's output on the [gate | up] weight (same config, the
     same rounded elements, the same activation).
+    `defer_sum`: where the config is a parallel split-K, return its partials unsummed (a `SplitSum`, for a
+    consumer that sums them in the same order: kernels/rmsnorm.py); a tensor otherwise.
     """
     check_tensor("x", x, ndim=2)
     check_tensor("weight", weight, ndim=2, device=x.device)
@@ -314,6 +317,8 @@ def bi_linear(
         if swiglu:
             # No SWIGLU form of the parallel split: its plain result, then the same activation on its pairs.
             return _swiglu_after(bi_linear(x, weight, bias, config=cfg))
+        if defer_sum:
+            return split_partials(x, weight, bias, cfg)
         return split_launch(x, weight, bias, out, cfg)
     splits = cfg.split_k
     num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)

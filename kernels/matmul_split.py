@@ -8,17 +8,20 @@ whose output has few tiles (the down projection's long K, a router's narrow N). 
 one after another inside the tile's program, the sum kept in registers; kernels/matmul.py and
 kernels/matmul_tma.py, `MatmulConfig.serial_split`) computes the same sums in the same order without the
 partials' memory traffic, the form for prefill-sized M. Both give the same bits, so M buckets may mix them;
-the split count itself changes the bits and must be the same in every bucket of a weight.
+the split count itself changes the bits and must be the same in every bucket of a weight. `SplitSum` is the
+parallel form's result before the reduce, for a consumer that sums the partials itself (the RMSNorm after
+a projection).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges, store_partial
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges, store_partial, sum_partials
 from deepinfer.kernels.matmul_tma import tma_split_partials, tma_usable
 from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 
@@ -66,20 +69,54 @@ def _split_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_om, stride_on,
     total = M.to(tl.int64) * N
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
     m = offs // N
     n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    acc = sum_partials(part_ptr, offs, ok, total, b_ptr, n, SPLITS, HAS_BIAS)
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 cfg: MatmulConfig) -> torch.Tensor:
-    """out = x @ weight.T (+ bias) by the parallel form of `cfg`'s split-K: the partials (TMA tile loads
-    where cfg.tma and the operands allow, else pointer loads: the same chains), then their ordered sum."""
+@dataclass(frozen=True)
+class SplitSum:
+    """A parallel split-K's result before its reduce: x @ weight.T (+ bias) is, element by element,
+    ((part[0] + part[1]) + ...) (+ bias) in float32, rounded to `dtype` (`gemm_parts.sum_partials`).
+
+    `bi_linear(..., defer_sum=True)` hands this to a consumer that sums the partials itself, in that order
+    (kernels/rmsnorm.py's `rms_norm`: the residual add and norm after the projection), so the reduce's
+    launch and its output's round trip through memory are saved and the bits are the reduce's. Any other
+    consumer calls `materialize`."""
+
+    part: torch.Tensor             # [splits, M, N] float32, contiguous: each range's fp32 chain
+    bias: torch.Tensor | None      # [N] in `dtype`, added once after the partials
+    dtype: torch.dtype             # the GEMM's output dtype (its input's)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.part.shape[1:]
+
+    @property
+    def device(self) -> torch.device:
+        return self.part.device
+
+    def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum as a [M, N] tensor of `dtype` (into `out` when given): the split-K's reduce."""
+        splits, m, n = self.part.shape
+        if out is None:
+            out = torch.empty((m, n), dtype=self.dtype, device=self.part.device)
+        if m * n == 0:
+            return out
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            self.part, self.bias if self.bias is not None else self.part, out, m, n, out.stride(0),
+            out.stride(1), SPLITS=splits, HAS_BIAS=self.bias is not None, BLOCK=block, num_warps=4,
+            **pdl_options(self.part.device),
+        )
+        return out
+
+
+def split_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: MatmulConfig
+                   ) -> SplitSum:
+    """x @ weight.T (+ bias) by the parallel form of `cfg`'s split-K, before its reduce: each range's fp32
+    chain (TMA tile loads where cfg.tma and the operands allow, else pointer loads: the same chains)."""
     m, k = x.shape
     n = weight.shape[0]
     part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
@@ -95,9 +132,11 @@ def split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    block = 1024
-    _split_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, bias if bias is not None else part, out, m, n, out.stride(0), out.stride(1),
-        SPLITS=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_options(x.device),
-    )
-    return out
+    return SplitSum(part, bias, x.dtype)
+
+
+def split_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 cfg: MatmulConfig) -> torch.Tensor:
+    """out = x @ weight.T (+ bias) by the parallel form of `cfg`'s split-K: the partials, then their
+    ordered sum."""
+    return split_partials(x, weight, bias, cfg).materialize(out)

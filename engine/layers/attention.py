@@ -35,7 +35,8 @@ class PagedSelfAttention(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], into_norm: bool = False) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `into_norm`: as `Linear.forward`'s, for o_proj."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -54,4 +55,4 @@ class PagedSelfAttention(nn.Module):
         else:
             q = self.ops.rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), into_norm)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from deepinfer.engine.layers.ops import Ops, QuantizedActivation, check_quantized_input
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.reference.v4_attention import KeySource
+
+if TYPE_CHECKING:
+    from deepinfer.kernels.matmul_split import SplitSum
 
 
 def _kernels():
@@ -33,6 +37,10 @@ DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
 # Ops.swiglu_in_16bit_gate_up for the deterministic 16-bit GEMM): the GEMM then writes [gate | up] and
 # SiLU-and-mul (or its fused quantizer) reads it back; the same bits.
 DISABLE_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_SWIGLU_EPILOGUE"
+
+# Set to 1 to reduce a parallel split-K's partials in their own kernel before the RMSNorm that follows the
+# projection (Ops.linear_into_norm), instead of inside that norm's kernel; the same bits.
+DISABLE_SPLIT_SUM_IN_NORM_ENV = "DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM"
 
 
 class _CudaOps(Ops):
@@ -59,11 +67,17 @@ class _CudaOps(Ops):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+    def add_rms_norm(self, x: torch.Tensor | SplitSum, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # x may be `linear_into_norm`'s split-K partials: the norm's kernel sums them (kernels/rmsnorm.py).
         if residual is None:
+            x = self._summed(x)
             return self._rmsnorm.rms_norm(x, weight, eps), x
         return self._rmsnorm.rms_norm(x, weight, eps, residual=residual)
+
+    def _summed(self, x: torch.Tensor | SplitSum) -> torch.Tensor:
+        """x as a tensor: `linear_into_norm`'s split-K partials reduced (the GEMM's own result)."""
+        return x.materialize() if isinstance(x, self._matmul.SplitSum) else x
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._activation.silu_and_mul(x)
@@ -215,6 +229,7 @@ class _CudaOps(Ops):
         # One kernel: residual add, RMSNorm, the max of the rounded output per row (kernels/
         # fp8_fused_quant.py) or per K-group (kernels/fp8_group_quant.py), e4m3 cast; bitwise rms_norm then
         # quantize_rows / quantize_act.
+        x = self._summed(x)
         if group is None:
             from deepinfer.kernels.fp8_fused_quant import rms_norm_quant
 
@@ -284,6 +299,7 @@ class CudaInvariantOps(_CudaOps):
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
         self._planner = self._matmul.MatmulPlanner()
         self.swiglu_in_16bit_gate_up = self._swiglu_epilogue
+        self._sum_in_norm = os.environ.get(DISABLE_SPLIT_SUM_IN_NORM_ENV, "").strip() != "1"
         from deepinfer.kernels.fp8_block_plan import BlockPlanner
         from deepinfer.kernels.fp8_rowwise import RowwisePlanner
 
@@ -298,6 +314,12 @@ class CudaInvariantOps(_CudaOps):
     def swiglu_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner, swiglu=True)
+
+    def linear_into_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor | SplitSum:
+        # A parallel split-K (the decode buckets of a long-K, narrow weight: Qwen2.5-0.5B's down projection)
+        # hands its partials to the norm, which sums them in the reduce's order: one launch less per layer.
+        return self._matmul.bi_linear(x, weight, bias, planner=self._planner, defer_sum=self._sum_in_norm)
 
 
 class CudaFastOps(_CudaOps):

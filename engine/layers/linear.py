@@ -43,12 +43,16 @@ class Linear(nn.Module):
             return None
         return self.fp8_group
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        """x [M, in_features] (a QuantizedActivation only where `takes_quantized_rows`) -> [M, out]."""
+    def forward(self, x: torch.Tensor | QuantizedActivation, into_norm: bool = False) -> torch.Tensor:
+        """x [M, in_features] (a QuantizedActivation only where `takes_quantized_rows`) -> [M, out].
+        `into_norm`: the result goes only into an RMSNorm's `forward_residual`, which also takes what
+        `Ops.linear_into_norm` may return instead of a tensor."""
         if self.weight.dtype == torch.float8_e4m3fn:  # FP8 layer: models/quant/fp8_loading.py converted it
             # `fp8_scale_block_n`: set at load where the row scales are equal per aligned 128-row block.
             return self.ops.fp8_linear(x, self.weight, self.fp8_scale, self.bias, self.fp8_group,
                                        scale_block_n=getattr(self, "fp8_scale_block_n", 0))
         if isinstance(x, QuantizedActivation):
             raise ValueError("Linear: a QuantizedActivation input needs an FP8 layer (takes_quantized_rows)")
+        if into_norm:
+            return self.ops.linear_into_norm(x, self.weight, self.bias)
         return self.ops.linear(x, self.weight, self.bias)

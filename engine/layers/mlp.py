@@ -22,10 +22,12 @@ class GatedMLP(nn.Module):
         # GEMM's epilogue.
         self.swiglu_in_gate_up = False
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]."""
+    def forward(self, x: torch.Tensor | QuantizedActivation, into_norm: bool = False) -> torch.Tensor:
+        """x [M, hidden] (or quantized rows, where gate_up_proj takes them) -> [M, hidden]. `into_norm`: as
+        `Linear.forward`'s, for the down projection."""
         if self.swiglu_in_gate_up and self.gate_up_proj.weight.dtype != torch.float8_e4m3fn:
-            return self.down_proj(self.ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+            return self.down_proj(self.ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias),
+                                  into_norm)
         if self.swiglu_in_gate_up:
             a = self.ops.fp8_swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.fp8_scale)
             if not self.down_proj.takes_quantized_rows:
@@ -34,4 +36,4 @@ class GatedMLP(nn.Module):
         h = self.gate_up_proj(x)
         if self.down_proj.takes_quantized_rows:   # FP8 down_proj: SiLU-and-mul quantizes for it
             return self.down_proj(self.ops.silu_and_mul_quant(h, self.down_proj.quant_group))
-        return self.down_proj(self.ops.silu_and_mul(h))
+        return self.down_proj(self.ops.silu_and_mul(h), into_norm)

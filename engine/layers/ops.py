@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from deepinfer.kernels.metadata import AttentionMetadata
@@ -21,6 +22,9 @@ from deepinfer.kernels.reference.rotary_store import rotate_half_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 from deepinfer.kernels.reference.v4_attention import KeySource, gather_keys, sink_attention
 from deepinfer.kernels.reference.v4_indexer import indexer_scores_ref
+
+if TYPE_CHECKING:   # kernels/matmul_split.py needs triton, which a CPU install does not have
+    from deepinfer.kernels.matmul_split import SplitSum
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,14 @@ class Ops:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
         raise NotImplementedError
+
+    def linear_into_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor | SplitSum:
+        """`linear` for a projection whose output goes only into `add_rms_norm` (a pre-norm layer's attention
+        output and MLP output): a backend may hand back what that op alone reads, with the same result
+        (the invariant CUDA backend: a parallel split-K's partials, summed inside the norm's kernel). Shared
+        version: `linear`."""
+        return self.linear(x, weight, bias)
 
     def fp8_linear(self, x: torch.Tensor | QuantizedActivation, weight: torch.Tensor,
                    weight_scale: torch.Tensor, bias: torch.Tensor | None, group: int,

@@ -47,14 +47,15 @@ class DecoderLayer(PreNormDecoderLayer):
                 meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """PreNormDecoderLayer's step, where each norm hands an FP8 qkv_proj / gate_up_proj its output
         already quantized, per row or per K-group as the layer takes it (one kernel on CUDA, the same bits
-        as quantizing in the linear)."""
+        as quantizing in the linear), and o_proj and down_proj hand theirs to the next norm as
+        `Ops.linear_into_norm` gives it (the returned x is such a value: only a norm reads it)."""
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         h, residual = self.input_layernorm.forward_residual(x, residual, qkv.takes_quantized_rows,
                                                             qkv.quant_group)
-        h = self.self_attn(h, rope, meta, kv_cache)
+        h = self.self_attn(h, rope, meta, kv_cache, into_norm=True)
         h, residual = self.post_attention_layernorm.forward_residual(
             h, residual, gate_up.takes_quantized_rows, gate_up.quant_group)
-        return self.mlp(h), residual
+        return self.mlp(h, into_norm=True), residual
 
 
 class DecoderBody(nn.Module):

@@ -33,6 +33,8 @@ class _SumOverRanks:
         self.group = group
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, torch.Tensor):   # Ops.linear_into_norm's deferred sum: reduced first
+            output = output.materialize()
         return self.group.reduce_sum(output)
 
 

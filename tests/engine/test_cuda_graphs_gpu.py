@@ -128,3 +128,27 @@ def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch):
         for n in sizes:
             assert _outputs(llm, n) == reference[n], f"PDL (graphs={graphs}) differs at batch {n}"
         del llm
+
+
+def test_split_k_partials_summed_in_the_norm_change_no_bit(model, monkeypatch):
+    """Ops.linear_into_norm: the 0.5B down projection's decode-bucket split-K hands its partials to the next
+    RMSNorm, which sums them itself (kernels/rmsnorm.py); the bits are those of the reduce kernel's path
+    ($DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM=1), in graphs and eagerly."""
+    from deepinfer.kernels import matmul
+
+    sizes = (1, 7, 64)
+    monkeypatch.setenv("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM", "1")
+    plain = _llm(model)
+    reference = {n: _outputs(plain, n) for n in sizes}
+    del plain
+    monkeypatch.delenv("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM")
+    deferred = []
+    real = matmul.split_partials
+    monkeypatch.setattr(matmul, "split_partials", lambda *a, **kw: deferred.append(1) or real(*a, **kw))
+    for graphs in (True, False):
+        llm = _llm(model, enable_cuda_graphs=graphs)
+        for n in sizes:
+            assert _outputs(llm, n) == reference[n], f"sum in the norm (graphs={graphs}) differs at batch {n}"
+        del llm
+    if model[1] == "dummy":   # the 0.5B shape: its down projection splits K at decode sizes
+        assert deferred, "no projection handed its partials to a norm"

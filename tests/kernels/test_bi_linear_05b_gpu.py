@@ -76,3 +76,27 @@ def test_fixed_order_split_k_rows_are_bitwise_invariant_across_m(mm, n, k, bias,
         for start in (0, 3, 300 - m):
             part = mm.bi_linear(x[start:start + m].clone(), w, b, config=cfg)
             assert torch.equal(part, full[start:start + m]), f"M={m} rows {start}.."
+
+
+def test_05b_down_projection_partials_summed_in_the_norm_give_the_reduced_bits(mm):
+    """The 0.5B down projection at decode sizes (a parallel split-K in the planner's buckets) handed to the
+    next RMSNorm unsummed (bi_linear(defer_sum=True)): the norm's output and new residual stream are those
+    of the reduced GEMM output through the plain norm, bit for bit, at every M and wherever a row sits."""
+    from deepinfer.kernels.matmul_split import SplitSum
+    from deepinfer.kernels.rmsnorm import rms_norm
+
+    planner = mm.MatmulPlanner()
+    n, k = 896, 4864
+    x = _randn(300, k, seed=10)
+    w = _randn(n, k, seed=11, scale=k ** -0.5)
+    resid = _randn(300, n, seed=12)
+    nw = _randn(n, seed=13)
+    full_out, full_res = rms_norm(mm.bi_linear(x, w, planner=planner), nw, 1e-6, resid)
+    for m in (1, 7, 64, 256):
+        for start in (0, 3, 300 - m):
+            rows = slice(start, start + m)
+            part = mm.bi_linear(x[rows].clone(), w, planner=planner, defer_sum=True)
+            assert isinstance(part, SplitSum), f"M={m}: no parallel split in this bucket"
+            out, res = rms_norm(part, nw, 1e-6, resid[rows].clone())
+            same = torch.equal(out, full_out[rows]) and torch.equal(res, full_res[rows])
+            assert same, f"M={m} rows {start}.."

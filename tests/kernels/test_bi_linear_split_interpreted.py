@@ -136,3 +136,69 @@ def test_serial_split_has_a_swiglu_epilogue_with_the_activations_bits(mm):
 def test_serial_split_without_a_split_is_refused(mm):
     with pytest.raises(ValueError, match="serial_split"):
         mm.MatmulConfig(block_m=16, block_n=16, block_k=16, serial_split=True)
+
+
+# (m, n, k, split, bias, residual, h_chunk): h_chunk None = one register chunk per row, else the norm's
+# widest chunk forced down to it (the two-pass path of rows wider than kernels/rmsnorm._MAX_BLOCK)
+SPLIT_NORM_CASES = [
+    (5, 48, 96, 3, True, True, None),
+    (13, 80, 160, 4, False, True, None),     # N not a power of two: masked columns
+    (7, 64, 64, 2, True, False, None),       # no residual: x itself is the new residual stream
+    (9, 48, 96, 3, True, True, 16),          # the two-pass path: 3 chunks of 16 columns
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,split,bias,residual,h_chunk", SPLIT_NORM_CASES)
+def test_rms_norm_of_deferred_partials_has_the_bits_of_the_reduce_then_the_norm(
+        mm, monkeypatch, m, n, k, split, bias, residual, h_chunk, dtype):
+    """bi_linear(defer_sum=True) hands back the parallel split's partials (a SplitSum); rms_norm sums them
+    itself, in the reduce's order and rounding, then adds the residual and normalises: the same output and
+    the same new residual stream, bit for bit, as the reduced GEMM output through the plain norm."""
+    from tests.kernels.interpreter_bf16 import gpu_like_bf16
+
+    if dtype == torch.bfloat16:
+        gpu_like_bf16(monkeypatch)   # casts round to nearest even, as on the GPU
+    rn = interpreted_kernels("rmsnorm")
+    split_mod = interpreted_kernels("matmul_split")
+    if h_chunk is not None:
+        monkeypatch.setattr(rn, "_MAX_BLOCK", h_chunk)
+    cfg = mm.MatmulConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, split_k=split)
+    x = _rand(m, k, dtype=dtype, seed=21)
+    w = (_rand(n, k, seed=22) / k**0.5).to(dtype)
+    b = _rand(n, dtype=dtype, seed=23) if bias else None
+    r = _rand(m, n, dtype=dtype, seed=24) if residual else None
+    nw = (1 + 0.1 * _rand(n, seed=25)).to(dtype)
+    deferred = mm.bi_linear(x, w, b, config=cfg, defer_sum=True)
+    assert isinstance(deferred, split_mod.SplitSum) and deferred.shape == (m, n)
+    reduced = mm.bi_linear(x, w, b, config=cfg)
+    assert torch.equal(deferred.materialize(), reduced)
+    want = rn.rms_norm(reduced, nw, 1e-5, r)
+    got = rn.rms_norm(deferred, nw, 1e-5, r)
+    if residual:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    else:
+        assert torch.equal(got, want)
+
+
+def test_defer_sum_returns_a_tensor_where_the_config_has_no_parallel_split(mm):
+    x, w = _rand(4, 64, seed=26), _rand(32, 64, seed=27)
+    for cfg in (mm.MatmulConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2),
+                mm.MatmulConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, split_k=2,
+                                serial_split=True)):
+        out = mm.bi_linear(x, w, config=cfg, defer_sum=True)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, mm.bi_linear(x, w, config=cfg))
+
+
+def test_rms_norm_of_deferred_partials_checks_its_operands(mm):
+    rn = interpreted_kernels("rmsnorm")
+    split_mod = interpreted_kernels("matmul_split")
+    part = torch.zeros(2, 3, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rn.rms_norm(split_mod.SplitSum(part, None, torch.float32), torch.zeros(7), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rn.rms_norm(split_mod.SplitSum(part, None, torch.float32), torch.zeros(8), 1e-6, torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="x.bias"):
+        rn.rms_norm(split_mod.SplitSum(part, torch.zeros(5), torch.float32), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="x.part"):
+        rn.rms_norm(split_mod.SplitSum(part.half(), None, torch.float16), torch.zeros(8).half(), 1e-6)

@@ -30,8 +30,13 @@ def _compile_ptx(fn, args: list[tuple[str, str, int | None]], launch: dict) -> s
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import inspect
+
     names = {name for name, _, _ in args}
-    constexprs = {k: v for k, v in launch.items() if k not in names and k.isupper()}
+    # Constexprs the launch left at their defaults (PDL off the GPU): newer Triton does not fill them in.
+    defaults = {p.name: p.default for p in inspect.signature(fn.fn).parameters.values()
+                if p.default is not inspect.Parameter.empty and p.name not in names}
+    constexprs = defaults | {k: v for k, v in launch.items() if k not in names and k.isupper()}
     options = {"num_warps": launch["num_warps"], "enable_fp_fusion": launch.get("enable_fp_fusion", True)}
     sig = {name: typ for name, typ, _ in args} | {k: "constexpr" for k in constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (_, typ, v) in enumerate(args)
@@ -137,8 +142,9 @@ def test_fused_norm_rstd_is_rmsnorm_rstd_in_ptx(monkeypatch, h, with_residual, f
     fused_launch = dict(fused_launch, HW=hw)   # kernels/e4m3.py: the quantization step's two forms
     plain = _compile_ptx(rmsnorm._rms_norm_kernel, [
         ("x_ptr", "*bf16", None), ("r_ptr", "*bf16", None), ("w_ptr", "*bf16", None),
-        ("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None), ("H", "i32", h), ("eps", "fp32", None),
-        ("stride_x", "i32", h), ("stride_r", "i32", r_stride), ("stride_out", "i32", h),
+        ("out_ptr", "*bf16", None), ("res_out_ptr", "*bf16", None), ("xb_ptr", "*bf16", None),
+        ("H", "i32", h), ("eps", "fp32", None), ("split_stride", "i32", 0), ("stride_x", "i32", h),
+        ("stride_r", "i32", r_stride), ("stride_out", "i32", h),
         ("stride_res_out", "i32", h)], plain_launch)
     fused = _compile_ptx(kernel, args, fused_launch)
     a, b = _rsqrt_operand(plain), _rsqrt_operand(fused)
