@@ -54,7 +54,8 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
                 "nosk": ("DEEPINFER_DISABLE_SAMPLING_KERNEL", "the torch sampler (no sampling kernels)"),
                 "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step"),
                 "reduce": ("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM",
-                           "split-K partials reduced in their own kernel, not in the next RMSNorm")}
+                           "split-K partials reduced in their own kernel, not in the next RMSNorm"),
+                "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened")}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -214,7 +215,8 @@ def main() -> None:
     ap.add_argument("--modes", default="deterministic,fast,hf",
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
                          "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
-                         "+reduce (split-K reduced apart from the norm), "
+                         "+reduce (split-K reduced apart from the norm), +noflat (GEMM tile loops not "
+                         "flattened), "
                          "+topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")

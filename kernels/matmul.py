@@ -62,6 +62,10 @@ class MatmulConfig:
     # Tiles fetched by TMA descriptors (kernels/matmul_tma.py) where the device and strides allow, else by
     # pointer loads: the same dot chain, so the same bits (proven per shape like a tile change).
     tma: bool = False
+    # Persistent, without a split: the TMA kernel's tile loop software-pipelined together with its K loop,
+    # so the next tile's loads are in flight during this tile's epilogue (the pointer kernel ignores it).
+    # A schedule change only: the same chains, the same bits.
+    flatten: bool = False
 
     def __post_init__(self) -> None:
         for field in ("block_m", "block_n", "block_k"):
@@ -74,6 +78,9 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig.split_k={self.split_k}: must be in 1..64")
         if self.serial_split and self.split_k == 1:
             raise ValueError("MatmulConfig.serial_split=True needs split_k > 1 (nothing to serialize)")
+        if self.flatten and not (self.persistent and self.split_k == 1):
+            raise ValueError("MatmulConfig.flatten=True needs persistent=True and split_k=1 (one tile loop "
+                             "around one K loop)")
 
     def fit_to_device(self, element_size: int, device: torch.device) -> MatmulConfig:
         """This config, or a copy with the pipeline depth `device`'s shared memory holds for operands of
@@ -106,16 +113,21 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if (n, k) in _TUNED:   # a tuned weight shape (below): its open-ended bucket's config
         return _TUNED[(n, k)][-1][1]
     if n >= 8192:
-        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True)
-    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True)
+        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True,
+                            flatten=True)
+    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True,
+                        flatten=True)
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False, split: int = 1,
          serial: bool = False) -> MatmulConfig:
     # Every tuned config loads its tiles by TMA where the operands allow (Hopper+): same bits, and faster
-    # on every 8B layer shape at M = 128, 256 and 8192 in the 02:00 UTC sweep of 2026-12-02.
+    # on every 8B layer shape at M = 128, 256 and 8192 in the 02:00 UTC sweep of 2026-12-02. Persistent
+    # ones without a split flatten their tile loop into the K loop (benchmarks/gemm_flatten.py, 2026-12-04:
+    # a 16,384-token prefill step's layer GEMMs 20.3 -> 18.0 ms on the 0.5B shape, 344 -> 336 on the 8B).
     return MatmulConfig(block_m=bm, block_n=bn, block_k=64, num_warps=warps, num_stages=stages,
-                        persistent=persistent, tma=True, split_k=split, serial_split=serial)
+                        persistent=persistent, tma=True, split_k=split, serial_split=serial,
+                        flatten=persistent and split == 1)
 
 
 # Buckets tuned for exact weight shapes (N, K) whose best tiles differ from the shape-class rule in
@@ -187,14 +199,17 @@ class MatmulPlanner(BucketPlanner[MatmulConfig]):
     capture, or whose configs disagree, uses `matmul_config` for every M (kernels/bucket_planner.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flatten: bool = True) -> None:
         # The module's tables are looked up per call (not bound here), as before the shared planner.
         super().__init__(lambda n, k, d: _bucket_configs(n, k, d), lambda n, k, d: matmul_config(n, k, d),
                          lambda x, w, b, cfg: bi_linear(x, w, b, config=cfg))
+        # False: the tables' flattened tile loops run unflattened (A/B runs; the same bits).
+        self.flatten = flatten
 
     def config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> MatmulConfig:
         n, k = weight.shape
-        return self.choose(x.shape[0], n, k, x.dtype, x.device, x, weight, bias)
+        cfg = self.choose(x.shape[0], n, k, x.dtype, x.device, x, weight, bias)
+        return cfg if self.flatten or not cfg.flatten else replace(cfg, flatten=False)
 
     @staticmethod
     def _agree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -331,7 +346,7 @@ def bi_linear(
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
     if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits)
+                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits, cfg.flatten)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,

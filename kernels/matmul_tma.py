@@ -64,6 +64,7 @@ def _bi_linear_tma_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    FLATTEN: tl.constexpr = 0,
 ):
     # SPLITS > 1: the serial form of a fixed-order split-K (MatmulConfig.serial_split): the ranges of
     # K_PER_SPLIT k-tiles one after another, each its own chain from zero, summed in range order as they
@@ -76,7 +77,9 @@ def _bi_linear_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_group = GROUP_M * num_pid_n
-    for tile in range(pid, num_tiles, num_programs):
+    # FLATTEN (SPLITS == 1 only): Triton fuses the tile loop with the K loop, so the next tile's loads can
+    # start during this tile's epilogue (a schedule change only: the same chains, the same bits).
+    for tile in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile_ids(tile, num_pid_m, tiles_per_group, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
@@ -128,11 +131,12 @@ def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
 
 def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
-               programs: int, swiglu: bool = False, splits: int = 1) -> torch.Tensor:
+               programs: int, swiglu: bool = False, splits: int = 1, flatten: bool = False) -> torch.Tensor:
     """out = x @ weight.T (+ bias) with TMA tile loads; the caller checked `tma_usable(x, weight)` and
     chose the config and program count (kernels/matmul.bi_linear); `swiglu`: the SWIGLU epilogue
     (gemm_parts.linear_epilogue), `out` then [M, N / 2]; `splits` > 1: the serial form of that fixed-order
-    split-K (ranges of `split_ranges(K, block_k, splits)` k-tiles)."""
+    split-K (ranges of `split_ranges(K, block_k, splits)` k-tiles); `flatten`: the tile loop pipelined with
+    the K loop (ignored with a serial split)."""
     m, k = x.shape
     n = weight.shape[0]
     x_desc, w_desc = _descriptors(x, weight, block_m, block_n, block_k)
@@ -141,7 +145,7 @@ def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         m, n, k, out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWIGLU=int(swiglu),
-        SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits),
+        SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits), FLATTEN=int(flatten and splits == 1),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out

@@ -41,6 +41,9 @@ DISABLE_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_SWIGLU_EPILOGUE"
 # Set to 1 to reduce a parallel split-K's partials in their own kernel before the RMSNorm that follows the
 # projection (Ops.linear_into_norm), instead of inside that norm's kernel; the same bits.
 DISABLE_SPLIT_SUM_IN_NORM_ENV = "DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM"
+# Set to 1 to run the deterministic GEMM's persistent tile loops unflattened (MatmulConfig.flatten; the same
+# bits), e.g. to A/B it.
+DISABLE_GEMM_FLATTEN_ENV = "DEEPINFER_DISABLE_GEMM_FLATTEN"
 
 
 class _CudaOps(Ops):
@@ -297,7 +300,8 @@ class CudaInvariantOps(_CudaOps):
     def __init__(self) -> None:
         super().__init__()
         # Decode-sized tile configs where the device proves them bitwise equal (kernels/matmul.py).
-        self._planner = self._matmul.MatmulPlanner()
+        self._planner = self._matmul.MatmulPlanner(
+            flatten=os.environ.get(DISABLE_GEMM_FLATTEN_ENV, "").strip() != "1")
         self.swiglu_in_16bit_gate_up = self._swiglu_epilogue
         self._sum_in_norm = os.environ.get(DISABLE_SPLIT_SUM_IN_NORM_ENV, "").strip() != "1"
         from deepinfer.kernels.fp8_block_plan import BlockPlanner

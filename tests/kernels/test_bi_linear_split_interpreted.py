@@ -202,3 +202,17 @@ def test_rms_norm_of_deferred_partials_checks_its_operands(mm):
         rn.rms_norm(split_mod.SplitSum(part, torch.zeros(5), torch.float32), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="x.part"):
         rn.rms_norm(split_mod.SplitSum(part.half(), None, torch.float16), torch.zeros(8).half(), 1e-6)
+
+
+def test_flatten_is_checked_and_leaves_the_tma_kernels_result_alone(mm):
+    """MatmulConfig.flatten needs one persistent tile loop around one K loop (no split); the TMA kernel
+    launched with it computes the same values (the bits on the device: test_matmul_tma_gpu.py)."""
+    tma = __import__("deepinfer.kernels.matmul_tma", fromlist=["x"])
+    for bad in (dict(persistent=False, tma=True), dict(tma=True, split_k=2, serial_split=True),
+                dict(tma=True, split_k=3)):
+        with pytest.raises(ValueError, match="flatten"):
+            mm.MatmulConfig(block_m=16, block_n=16, block_k=32, flatten=True, **bad)
+    x, w, b = _rand(37, 64, seed=31), _rand(48, 64, seed=32) / 8, _rand(48, seed=33)
+    args = (x, w, b, 16, 16, 32, 2, 4, 2, 3)
+    want = tma.tma_launch(*args[:3], torch.empty(37, 48), *args[3:])
+    assert torch.equal(tma.tma_launch(*args[:3], torch.empty(37, 48), *args[3:], flatten=True), want)

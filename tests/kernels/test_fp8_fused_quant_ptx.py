@@ -27,10 +27,10 @@ def _launch(monkeypatch, kernel, call) -> dict:
 def _compile_ptx(fn, args: list[tuple[str, str, int | None]], launch: dict) -> str:
     """PTX of `fn` for sm_90 with the constexprs and options of a real launch; args: (name, type, value or
     None), pointers and values divisible by 16 with Triton's divisibility hint, as such a launch gets."""
+    import inspect
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    import inspect
 
     names = {name for name, _, _ in args}
     # Constexprs the launch left at their defaults (PDL off the GPU): newer Triton does not fill them in.

@@ -131,3 +131,31 @@ def test_split_k_forms_and_loaders_give_the_same_bits_at_every_m(mm, n, k, split
     torch.testing.assert_close(ref.float(), bi_linear_ref(x_all.float(), w.float(),
                                                           None if b is None else b.float()),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "has_bias", "swiglu"), [
+    (4100, 1152, 896, True, False),      # 0.5B qkv, ragged M
+    (2048, 9728, 896, False, True),      # 0.5B gate_up with the SWIGLU epilogue
+    (1000, 6144, 4096, False, False),    # 8B qkv
+    (513, 1000, 200, True, False),       # ragged N and K % 64 != 0
+])
+def test_flattened_tile_loop_gives_the_same_bits(mm, m, n, k, has_bias, swiglu):
+    """MatmulConfig.flatten (the persistent tile loop pipelined with the K loop) only reorders loads:
+    bitwise the unflattened kernel, at every row count."""
+    cfg = mm.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, persistent=True,
+                          tma=True)
+    flat = dataclasses.replace(cfg, flatten=True)
+    x, w = _randn(m, k, seed=4), _randn(n, k, seed=5, scale=k ** -0.5)
+    b = _randn(n, seed=6) if has_bias else None
+    ref = mm.bi_linear(x, w, b, config=cfg, swiglu=swiglu)
+    assert torch.equal(mm.bi_linear(x, w, b, config=flat, swiglu=swiglu), ref)
+    for rows in (1, 7, 300):
+        assert torch.equal(mm.bi_linear(x[:rows].clone(), w, b, config=flat, swiglu=swiglu), ref[:rows])
+
+
+def test_flatten_needs_one_persistent_tma_loop(mm):
+    with pytest.raises(ValueError, match="flatten"):
+        mm.MatmulConfig(block_m=128, block_n=256, block_k=64, persistent=False, tma=True, flatten=True)
+    with pytest.raises(ValueError, match="flatten"):
+        mm.MatmulConfig(block_m=128, block_n=256, block_k=64, tma=True, split_k=2, serial_split=True,
+                        flatten=True)
