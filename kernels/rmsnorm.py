@@ -109,17 +109,8 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float, resid
     """ValueError naming the argument unless x [M, H], weight [H], eps >= 0 and residual (None or x's
     shape and dtype) fit `rms_norm` (and kernels/fp8_fused_quant.py's `rms_norm_quant`); returns (M, H)."""
     check_tensor("x", x, ndim=2)
-    check_tensor("weight", weight, ndim=1, device=x.device)
     m, h = x.shape
-    if weight.shape[0] != h:
-        raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {tuple(x.shape)}")
-    if not eps >= 0:
-        raise ValueError(f"eps={eps}: must be >= 0")
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, device=x.device)
-        check_same_dtype("residual", residual, x.dtype)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    _check_norm_operands(weight, eps, residual, m, h, x.dtype, x.device)
     return m, h
 
 
@@ -129,23 +120,29 @@ def _check_split_sum(x: SplitSum, weight: torch.Tensor, eps: float, residual: to
     check_tensor("x.part", x.part, ndim=3, dtypes=(torch.float32,))
     if not x.part.is_contiguous():
         raise ValueError("x.part: the split-K partials must be contiguous")
-    check_tensor("weight", weight, ndim=1, device=x.device)
     _, m, h = x.part.shape
     if x.bias is not None:
         check_tensor("x.bias", x.bias, ndim=1, device=x.device)
         check_same_dtype("x.bias", x.bias, x.dtype)
         if x.bias.shape[0] != h:
             raise ValueError(f"x.bias: shape {tuple(x.bias.shape)}, expected ({h},)")
+    _check_norm_operands(weight, eps, residual, m, h, x.dtype, x.device)
+    return m, h
+
+
+def _check_norm_operands(weight: torch.Tensor, eps: float, residual: torch.Tensor | None, m: int, h: int,
+                         dtype: torch.dtype, device: torch.device) -> None:
+    """The checks of weight, eps and residual against an x of shape (m, h), `dtype`, on `device`."""
+    check_tensor("weight", weight, ndim=1, device=device)
     if weight.shape[0] != h:
         raise ValueError(f"weight: shape {tuple(weight.shape)}, expected ({h},) to match x {(m, h)}")
     if not eps >= 0:
         raise ValueError(f"eps={eps}: must be >= 0")
     if residual is not None:
-        check_tensor("residual", residual, ndim=2, device=x.device)
-        check_same_dtype("residual", residual, x.dtype)
+        check_tensor("residual", residual, ndim=2, device=device)
+        check_same_dtype("residual", residual, dtype)
         if residual.shape != (m, h):
             raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {(m, h)}")
-    return m, h
 
 
 def rms_norm(

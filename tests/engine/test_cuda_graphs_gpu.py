@@ -117,16 +117,22 @@ def test_programmatic_dependent_launch_changes_no_bit(model, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] >= 9:
         assert pdl_options(torch.device("cuda")), "PDL should be on by default on sm_90+"
+    _switch_changes_no_bit(model, monkeypatch, "DEEPINFER_DISABLE_PDL", "PDL")
+
+
+def _switch_changes_no_bit(model, monkeypatch, env: str, what: str) -> None:
+    """Outputs at batch sizes 1, 7, 64 with the feature `env` turns off (env=1) are the reference; with it on
+    (the default), in graphs and eagerly, they must be the same."""
     sizes = (1, 7, 64)
-    monkeypatch.setenv("DEEPINFER_DISABLE_PDL", "1")
+    monkeypatch.setenv(env, "1")
     plain = _llm(model)
     reference = {n: _outputs(plain, n) for n in sizes}
     del plain
-    monkeypatch.delenv("DEEPINFER_DISABLE_PDL")
+    monkeypatch.delenv(env)
     for graphs in (True, False):
         llm = _llm(model, enable_cuda_graphs=graphs)
         for n in sizes:
-            assert _outputs(llm, n) == reference[n], f"PDL (graphs={graphs}) differs at batch {n}"
+            assert _outputs(llm, n) == reference[n], f"{what} (graphs={graphs}) differs at batch {n}"
         del llm
 
 
@@ -136,19 +142,15 @@ def test_split_k_partials_summed_in_the_norm_change_no_bit(model, monkeypatch):
     ($DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM=1), in graphs and eagerly."""
     from deepinfer.kernels import matmul
 
-    sizes = (1, 7, 64)
-    monkeypatch.setenv("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM", "1")
-    plain = _llm(model)
-    reference = {n: _outputs(plain, n) for n in sizes}
-    del plain
-    monkeypatch.delenv("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM")
     deferred = []
     real = matmul.split_partials
     monkeypatch.setattr(matmul, "split_partials", lambda *a, **kw: deferred.append(1) or real(*a, **kw))
-    for graphs in (True, False):
-        llm = _llm(model, enable_cuda_graphs=graphs)
-        for n in sizes:
-            assert _outputs(llm, n) == reference[n], f"sum in the norm (graphs={graphs}) differs at batch {n}"
-        del llm
+    _switch_changes_no_bit(model, monkeypatch, "DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM", "sum in the norm")
     if model[1] == "dummy":   # the 0.5B shape: its down projection splits K at decode sizes
         assert deferred, "no projection handed its partials to a norm"
+
+
+def test_flattened_gemm_tile_loops_change_no_bit(model, monkeypatch):
+    """MatmulConfig.flatten (the prefill buckets' persistent tile loops pipelined with their K loops) gives
+    the bits of the unflattened loops ($DEEPINFER_DISABLE_GEMM_FLATTEN=1) on a whole model."""
+    _switch_changes_no_bit(model, monkeypatch, "DEEPINFER_DISABLE_GEMM_FLATTEN", "flattened GEMMs")
