@@ -113,10 +113,8 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     if (n, k) in _TUNED:   # a tuned weight shape (below): its open-ended bucket's config
         return _TUNED[(n, k)][-1][1]
     if n >= 8192:
-        return MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, tma=True,
-                            flatten=True)
-    return MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True,
-                        flatten=True)
+        return _cfg(128, 256, 8, 3, persistent=True)
+    return _cfg(128, 128, 8, 4, persistent=True)
 
 
 def _cfg(bm: int, bn: int, warps: int, stages: int, persistent: bool = False, split: int = 1,
