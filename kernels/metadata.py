@@ -41,6 +41,9 @@ class AttentionMetadata:
     # store nothing. None (and whenever max_query_len == 1): the kernel builds its plan from the host lengths.
     prefill_plan: torch.Tensor | None = None
     plan_block_q: int = 0
+    # With decode_plan (a CUDA-graph decode step): whether the graph was captured for rows long enough to
+    # split their keys (kernels/paged_attention.py, SPLIT_FROM): the split form's static launches.
+    split_kv: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -36,15 +36,10 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_tensor, is_power_of_two, num_sms
-from deepinfer.kernels.mla_decode_plan import (
-    DETERMINISTIC_SPLITS,
-    NO_SPLIT,
-    SplitPolicy,
-    get_host_plan,
-    static_decode_ranges,
-)
 from deepinfer.kernels.mla_proj import head_proj
 from deepinfer.kernels.reference.mla_decode import check_mla_decode_args
+from deepinfer.kernels.split_combine import SplitLauncher
+from deepinfer.kernels.split_plan import DETERMINISTIC_SPLITS, NO_SPLIT, SplitPolicy
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
@@ -53,9 +48,6 @@ __all__ = ["SplitPolicy", "DETERMINISTIC_SPLITS", "NO_SPLIT", "mla_tile_config",
            "head_proj", "fast_split_policy"]
 
 _LOG2E = 1.4426950408889634
-# Scratch (fp32 partial outputs of multi-split rows) of one launch: the plan is cut into launches whose
-# partials fit, so a long prefill never needs tokens x splits x heads x R floats at once.
-SCRATCH_BUDGET_BYTES = 256 << 20
 
 
 def mla_tile_config(num_heads: int, rank: int, rope_dim: int, dtype: torch.dtype) -> dict[str, int]:
@@ -174,48 +166,6 @@ def _mla_split_kernel(
     tl.store(ml_ptr + 2 * part + 1, l_i, mask=multi)
 
 
-@triton.jit(do_not_specialize=["slot_base", "num_heads"])
-def _mla_combine_kernel(
-    out_ptr, part_ptr, ml_ptr, tok_ptr, pos_ptr, soff_ptr,
-    slot_base, num_heads, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, FIXED_SLOTS: tl.constexpr,
-):
-    if FIXED_SLOTS:   # the static decode plan: one program per token from slot_base / MAX_SPLITS on
-        t = (slot_base // MAX_SPLITS + tl.program_id(0)).to(tl.int64)
-    else:             # the host plan: the multi-split tokens listed at tok_ptr
-        t = tl.load(tok_ptr + tl.program_id(0)).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    q_pos = tl.load(pos_ptr + t).to(tl.int32)
-    n_tiles = q_pos // BLOCK_N + 1
-    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
-    n_splits = (n_tiles + per_split - 1) // per_split
-    if FIXED_SLOTS:
-        if n_splits == 1:
-            return   # the split kernel stored this row's output itself; it left no partials
-        base = t * MAX_SPLITS - slot_base
-    else:
-        base = tl.load(soff_ptr + t) - slot_base
-    r = tl.arange(0, RANK)
-    m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
-    o_run = tl.zeros([BLOCK_H, RANK], dtype=tl.float32)
-    for s in range(0, n_splits):   # increasing split order: the one merge order of this row
-        part = (base + s) * num_heads + heads
-        m_s = tl.load(ml_ptr + 2 * part, mask=h_ok, other=0.0)
-        l_s = tl.load(ml_ptr + 2 * part + 1, mask=h_ok, other=1.0)
-        a_s = tl.load(part_ptr + part[:, None] * RANK + r[None, :], mask=h_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        alpha = tl.exp2(m_run - m_new)      # 0 for the first split (m_run = -inf); every m_s is finite
-        beta = tl.exp2(m_s - m_new)
-        l_run = l_run * alpha + l_s * beta
-        o_run = o_run * alpha[:, None] + a_s * beta[:, None]
-        m_run = m_new
-    tl.store(out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + r[None, :],
-             (o_run / l_run[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-
-
 def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int,
                policy: SplitPolicy = DETERMINISTIC_SPLITS) -> torch.Tensor:
     """Absorbed MLA: q_abs [T, H, R + P] over the latent cache [blocks, block_size, R + P] -> [T, H, R].
@@ -250,27 +200,22 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     return out
 
 
-class _Launch:
-    """The kernels' arguments common to both plan forms, and the two launch sequences."""
+class _Launch(SplitLauncher):
+    """The MLA split kernel's launch (kernels/split_combine.py holds the launch sequences and the combine)."""
 
     def __init__(self, q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
                  scale: float, rank: int, policy: SplitPolicy) -> None:
-        self.q_abs, self.cache, self.meta, self.out = q_abs, cache, meta, out
-        self.scale, self.rank, self.policy = scale, rank, policy
-        num_heads = q_abs.shape[1]
-        self.num_heads = num_heads
-        self.cfg = mla_tile_config(num_heads, rank, q_abs.shape[2] - rank, q_abs.dtype)
-        self.slot_bytes = num_heads * (rank + 2) * 4   # one (token, split): acc [H, R] + (max, sum) [H, 2]
-
-    def _scratch(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = max(1, slots) * self.num_heads
-        dev = self.q_abs.device
-        return (torch.empty((rows, self.rank), dtype=torch.float32, device=dev),
-                torch.empty((rows, 2), dtype=torch.float32, device=dev))
+        self.q, self.cache, self.meta, self.out = q_abs, cache, meta, out
+        self.scale, self.width, self.policy = scale, rank, policy
+        self.num_heads = q_abs.shape[1]
+        self.cfg = mla_tile_config(self.num_heads, rank, q_abs.shape[2] - rank, q_abs.dtype)
+        self.block_q, self.block_n = self.cfg["BLOCK_Q"], self.cfg["BLOCK_N"]
+        self.head_blocks = triton.cdiv(self.num_heads, self.cfg["GROUP"])
+        self.combine_heads = self.cfg["BLOCK_H"]
 
     def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
                soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
-        q, cache, out, meta, cfg, policy = self.q_abs, self.cache, self.out, self.meta, self.cfg, self.policy
+        q, cache, out, meta, cfg, policy = self.q, self.cache, self.out, self.meta, self.cfg, self.policy
         bt = meta.block_tables
         _mla_split_kernel[grid](
             q, cache, out, part, ml,
@@ -279,53 +224,7 @@ class _Launch:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             cache.stride(0), cache.stride(1), bt.stride(0),
             GROUP=cfg["GROUP"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            RANK=self.rank, ROPE=q.shape[2] - self.rank, BLOCK_P=cfg["BLOCK_P"], BLOCK_SIZE=cache.shape[1],
+            RANK=self.width, ROPE=q.shape[2] - self.width, BLOCK_P=cfg["BLOCK_P"], BLOCK_SIZE=cache.shape[1],
             MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, IEEE=q.dtype == torch.float32,
             FIXED_SLOTS=fixed_slots, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-
-    def _combine(self, tokens: int, part: torch.Tensor, ml: torch.Tensor, tok: torch.Tensor,
-                 soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
-        out, cfg, policy = self.out, self.cfg, self.policy
-        _mla_combine_kernel[(tokens, triton.cdiv(self.num_heads, cfg["BLOCK_H"]))](
-            out, part, ml, tok, self.meta.positions, soff,
-            slot_base, self.num_heads, out.stride(0), out.stride(1),
-            BLOCK_H=cfg["BLOCK_H"], RANK=self.rank, BLOCK_N=cfg["BLOCK_N"],
-            MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, FIXED_SLOTS=fixed_slots, num_warps=4,
-        )
-
-    def host_planned(self) -> None:
-        """Launch groups of the host plan: packed slots, the combine over multi-split tokens only."""
-        cfg = self.cfg
-        plan = get_host_plan(self.meta, cfg["BLOCK_Q"], cfg["BLOCK_N"], self.policy, self.slot_bytes,
-                             SCRATCH_BUDGET_BYTES, self.q_abs.device)
-        part, ml = self._scratch(plan.max_group_slots)
-        head_blocks = triton.cdiv(self.num_heads, cfg["GROUP"])
-        for g in plan.groups:
-            self._split((g.entry_hi - g.entry_lo, head_blocks, g.max_splits), part, ml,
-                        plan.plan[2 * g.entry_lo:], plan.soff, g.slot_base, False)
-            if g.tok_hi > g.tok_lo:
-                self._combine(g.tok_hi - g.tok_lo, part, ml, plan.split_tokens[g.tok_lo:], plan.soff,
-                              g.slot_base, False)
-
-    def static_decode(self, decode_plan: torch.Tensor) -> None:
-        """Launches that depend on the number of tokens and the policy only (a CUDA graph's decode step):
-        entry t = (sequence t, query block 0) holds token t; grid (tokens, head blocks, max_splits); token
-        t's split s at slot t * max_splits + s; the combine over every token, skipping single-split rows."""
-        num_tokens = self.q_abs.shape[0]
-        if decode_plan.dtype != torch.int32 or tuple(decode_plan.shape) != (2 * num_tokens,):
-            raise ValueError(f"meta.decode_plan: expected int32 [{2 * num_tokens}] (one entry per token), "
-                             f"got {decode_plan.dtype} {tuple(decode_plan.shape)}")
-        if self.meta.num_seqs != num_tokens:
-            raise ValueError(f"meta.decode_plan: {self.meta.num_seqs} sequences for {num_tokens} tokens")
-        max_splits = self.policy.max_splits
-        ranges = static_decode_ranges(num_tokens, max_splits, self.slot_bytes, SCRATCH_BUDGET_BYTES)
-        multi = max_splits > 1   # with one split at most, no row leaves partials: no scratch, no combine
-        part, ml = self._scratch((ranges[0][1] - ranges[0][0]) * max_splits if multi else 0)
-        head_blocks = triton.cdiv(self.num_heads, self.cfg["GROUP"])
-        unused = self.meta.positions   # the fixed-slot kernels read no slot / token table
-        for lo, hi in ranges:
-            self._split((hi - lo, head_blocks, max_splits), part, ml, decode_plan[2 * lo:], unused,
-                        lo * max_splits, True)
-            if multi:
-                self._combine(hi - lo, part, ml, unused, unused, lo * max_splits, True)

@@ -37,6 +37,13 @@ Why a token's output bits never depend on scheduling (prefill chunk, decode, pre
   and the P @ V product adds exact zeros;
 - positions beyond the program's last query position are masked at load time, so unwritten cache slots
   (possibly NaN bits) never enter the arithmetic.
+- split-KV (`attention_split_policy`; kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its
+  tiles in consecutive ranges fixed by its position and the shape only, each range in its own program from
+  a fresh state (the same online softmax; tiles before the range are masked for the row, which leaves its
+  state at its start values exactly), then kernels/split_combine.py merges the ranges in increasing order.
+  Decode steps, prefill chunks, host plans and the CUDA graphs' static plan all run those ranges and that
+  merge, so the argument above holds per range. A row below SPLIT_FROM takes one range: the arithmetic of
+  the one-program form, which every step without a split row still launches.
 """
 
 from __future__ import annotations
@@ -51,11 +58,14 @@ from deepinfer.kernels.metadata import KV_CHUNK, plan_cached_on
 from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _paged_attention_kernel
 from deepinfer.kernels.pdl import pdl_options
 from deepinfer.kernels.reference.attention import check_attention_args
+from deepinfer.kernels.split_combine import SplitLauncher
+from deepinfer.kernels.split_plan import SplitPolicy
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
-__all__ = ["paged_attention", "attention_tile_config", "build_plan", "launch_paged_attention"]
+__all__ = ["paged_attention", "attention_tile_config", "attention_split_policy", "build_plan",
+           "launch_paged_attention"]
 
 _LOG2E = 1.4426950408889634
 # Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). Untransposed tiles of 16 decode /
@@ -79,6 +89,13 @@ _DOT_SUM_TILES = {
     (False, True): (32, 3, 2, 64, 2),
 }
 _PLAN_ATTR = "_paged_attention_plans"
+# Split-KV (kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its keys in up to MAX_SPLITS
+# ranges of whole tiles, each its own program, merged by kernels/split_combine.py. Below it a row keeps the
+# one-program form and its bits (no benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it
+# buys is decode programs for long rows in small batches: a batch of 4 on the 8B shape is 32 programs on
+# 132 SMs, each streaming its whole context alone.
+SPLIT_FROM = 1024
+MAX_SPLITS = 8
 
 
 def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool = False,
@@ -120,6 +137,27 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
+def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
+    """The split-KV layout of a tile config: rows at positions >= SPLIT_FROM split into ranges of at least
+    SPLIT_FROM // BLOCK_N tiles, at most MAX_SPLITS of them. Decode and prefill configs of one shape share
+    BLOCK_N, so they share the layout: a function of the model shape and the row's position only."""
+    return SplitPolicy(min_tiles=max(1, SPLIT_FROM // cfg["BLOCK_N"]), max_splits=MAX_SPLITS)
+
+
+def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> bool:
+    """Whether the step has a row with several splits. A CUDA-graph decode step's host lengths are
+    placeholders: its capture decided (meta.split_kv); a CUDA-graph prefill step never splits (its runner
+    sends steps with long rows down the eager path); otherwise the longest row decides (split counts grow
+    with the position)."""
+    if policy.max_splits <= 1:
+        return False
+    if meta.decode_plan is not None and meta.max_query_len == 1:
+        return meta.split_kv
+    if meta.prefill_plan is not None and meta.max_query_len > 1:
+        return False
+    return max(meta.seq_lens_cpu, default=0) - 1 >= policy.min_tiles * block_n
+
+
 def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:
     """The program -> (sequence, query block) map, cached on `meta` (metadata.plan_cached_on)."""
     def build(q_lens: list[int], s_lens: list[int]) -> torch.Tensor:
@@ -137,12 +175,15 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    split: SplitPolicy | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the cache [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
 
     The new token at absolute position p (meta.positions) of sequence b attends to positions [0, p] of b,
     read through meta.block_tables[b]; this step's keys/values must already be in the cache (`store_kv`).
     An e4m3 cache (kernels/kv_fp8.py) comes with float32 per-kv-head `k_scale` / `v_scale` [Hkv].
+    `split`: the split-KV layout (default `attention_split_policy` of the shape's tiles; tests pass small
+    ones). Keep it fixed for batch invariance: a row's bits depend on it.
     """
     kv_fp8 = k_scale is not None
     check_attention_args(q, k_cache, v_cache, meta, kv_fp8=kv_fp8)
@@ -156,20 +197,27 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     decode = meta.max_query_len == 1
     cfg = attention_tile_config(group, head_dim, q.dtype, kv_fp8=kv_fp8, decode=decode)
-    return launch_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out)
+    policy = split if split is not None else attention_split_policy(cfg)
+    return launch_paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, policy)
 
 
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
                            v_scale: torch.Tensor | None, cfg: dict[str, int],
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel with an explicit tile config (`attention_tile_config`'s keys); arguments as checked
-    by `paged_attention`. benchmarks/attn_variants.py times configs through this."""
-    kv_fp8 = k_scale is not None
+                           out: torch.Tensor | None = None, split: SplitPolicy | None = None) -> torch.Tensor:
+    """Run the kernel with an explicit tile config (`attention_tile_config`'s keys) and split-KV layout (None:
+    never split); arguments as checked by `paged_attention`. benchmarks/attn_variants.py times configs
+    through this."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
     if out is None:
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if split is not None and _needs_split(meta, split, cfg["BLOCK_N"]):
+        launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
+        if meta.decode_plan is not None and meta.max_query_len == 1:
+            launch.static_decode(meta.decode_plan)
+        else:
+            launch.host_planned()
+        return out
     if meta.decode_plan is not None and meta.max_query_len == 1:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
     elif meta.prefill_plan is not None and meta.max_query_len > 1:
@@ -179,8 +227,19 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plan = meta.prefill_plan   # static (a CUDA-graph prefill step): no host work
     else:
         plan = _plan_tensor(meta, cfg["BLOCK_Q"], q.device)
+    _launch((plan.shape[0] // 2, k_cache.shape[2]), q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg,
+            out, plan)
+    return out
+
+
+def _launch(grid: tuple[int, ...], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            cfg: dict[str, int], out: torch.Tensor, plan: torch.Tensor, **split_args: object) -> None:
+    """One launch of the kernel: the one-program form, or with `split_args` the split form."""
+    kv_fp8 = k_scale is not None
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
     bt = meta.block_tables
-    _paged_attention_kernel[(plan.shape[0] // 2, num_kv_heads)](
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         plan, meta.query_start_loc, meta.positions, bt,
         k_scale if kv_fp8 else q, v_scale if kv_fp8 else q,
@@ -188,12 +247,35 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-        GROUP=num_q_heads // num_kv_heads, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
+        GROUP=num_q_heads // k_cache.shape[2], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         IEEE=q.dtype == torch.float32, KV_FP8=kv_fp8, SWAP=cfg["SWAP"], FP16_KV=cfg["FP16_KV"] and kv_fp8,
         V_NAT=int(bool(cfg.get("V_NAT", 0) and cfg["SWAP"])), V_CVT=int(bool(cfg.get("V_CVT", 0) and kv_fp8)),
         PREFETCH=int(bool(cfg.get("PREFETCH", 0) and not cfg["SWAP"])),
         DOT_SUM=int(bool(cfg.get("DOT_SUM", 0) and not cfg["SWAP"])),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **split_args, **pdl_options(q.device),
     )
-    return out
+
+
+class _SplitLaunch(SplitLauncher):
+    """The split form's launches (kernels/split_combine.py holds the plan-driven sequences)."""
+
+    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, cfg: dict[str, int], out: torch.Tensor,
+                 policy: SplitPolicy) -> None:
+        if cfg["SWAP"]:
+            raise ValueError("split-KV runs the untransposed tile (SWAP=0)")
+        self.q, self.meta, self.out, self.policy = q, meta, out, policy
+        self.k_cache, self.v_cache, self.scale, self.k_scale, self.cfg = k_cache, v_cache, scale, k_scale, cfg
+        self.num_heads, self.width = q.shape[1], q.shape[2]
+        self.block_q, self.block_n = cfg["BLOCK_Q"], cfg["BLOCK_N"]
+        self.head_blocks = k_cache.shape[2]
+        self.v_scale, self.group = v_scale, q.shape[1] // k_cache.shape[2]
+
+    def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
+               soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
+        _launch(grid, self.q, self.k_cache, self.v_cache, self.meta, self.scale, self.k_scale, self.v_scale,
+                self.cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
+                num_heads=self.num_heads, MIN_TILES=self.policy.min_tiles, MAX_SPLITS=self.policy.max_splits,
+                FIXED_SLOTS=fixed_slots)

@@ -1,6 +1,10 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
 the batch-invariance argument). Six constexpr knobs beyond the tile shape; the engine runs the untransposed
-tile with FP16_KV, V_CVT, PREFETCH and DOT_SUM on an e4m3 cache, the others are measured alternatives:
+tile with FP16_KV, V_CVT, PREFETCH and DOT_SUM on an e4m3 cache, the others are measured alternatives.
+With MAX_SPLITS > 0 it is the split-KV form (kernels/paged_attention.py's docstring; the untransposed tile
+only): grid axis 2 is the split index, a row of several splits leaves its split's (acc, max, sum) at its
+scratch slot for kernels/split_combine.py, and a row of one split stores its output as the one-program
+form does. The knobs:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -79,21 +83,30 @@ def _load_tile(base, block, j, last_pos, stride_b, stride_s, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE: tl.constexpr,
-                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr):
+                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr, lo_pos=0,
+                 SPLIT: tl.constexpr = False):
     """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it.
-    Under DOT_SUM the running sum is a [BLOCK_M, 16] tile whose columns all hold the row's sum."""
+    Under DOT_SUM the running sum is a [BLOCK_M, 16] tile whose columns all hold the row's sum. A row sees
+    the keys at positions <= its q_pos; under SPLIT also >= its lo_pos (the first key of its split)."""
     if KV_FP8:   # exact: every e4m3 value is a bf16/fp16/fp32 value
         k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
+    if SPLIT:
+        seen = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= lo_pos[:, None])
+    else:
+        seen = kv_pos[None, :] <= q_pos[:, None]
+    s = tl.where(seen, s * row_scale[:, None], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so tiles
     # that are fully masked for a row leave its state bit-identical.
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-    p = tl.exp2(s - m_new[:, None])
+    if SPLIT:   # a row whose split has not started yet (max still -inf) subtracts 0: p = 0, not NaN
+        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    else:
+        p = tl.exp2(s - m_new[:, None])
     if KV_FP8:
         v = v.to(q.dtype)
         if V_CVT:
@@ -119,7 +132,7 @@ def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE
 
 # stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
 # step runs the same binary.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "slot_base", "num_heads"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     plan_ptr, qsl_ptr, pos_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
@@ -130,6 +143,8 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
     SWAP: tl.constexpr, FP16_KV: tl.constexpr, V_NAT: tl.constexpr, V_CVT: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    part_ptr=None, ml_ptr=None, soff_ptr=None, slot_base=0, num_heads=0,
+    MIN_TILES: tl.constexpr = 1, MAX_SPLITS: tl.constexpr = 0, FIXED_SLOTS: tl.constexpr = False,
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
     pid = tl.program_id(0)
@@ -146,7 +161,28 @@ def paged_attention_kernel(
     t = (q_start + tok).to(tl.int64)
     # Padding rows take position 0: finite arithmetic, never stored.
     q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
-    last_pos = tl.max(q_pos, axis=0)
+    if MAX_SPLITS > 0:
+        # Split form (module docstring of kernels/split_plan.py): this program reduces split
+        # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
+        tl.static_assert(not SWAP, "the split form runs the untransposed tile")
+        split = tl.program_id(2)
+        n_tiles = q_pos // BLOCK_N + 1
+        per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
+        n_splits = (n_tiles + per_split - 1) // per_split
+        active = row_ok & (split < n_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_tiles)
+        lo_pos = lo * BLOCK_N
+        # the row's keys in this split: [lo_pos, min(q_pos, hi * BLOCK_N - 1)]; none for an inactive row
+        q_pos = tl.where(active, tl.minimum(q_pos, hi * BLOCK_N - 1), -1)
+        last_pos = tl.max(q_pos, axis=0)     # -1 when no row of the program has keys in this split
+        tile_lo = tl.where(last_pos >= 0, tl.min(tl.where(active, lo, 1 << 30), axis=0), 0)
+        num_tiles = tl.where(last_pos >= 0, last_pos // BLOCK_N + 1, 0)
+    else:
+        lo_pos = 0
+        tile_lo = 0
+        last_pos = tl.max(q_pos, axis=0)
+        num_tiles = last_pos // BLOCK_N + 1
 
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -175,13 +211,12 @@ def paged_attention_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    num_tiles = last_pos // BLOCK_N + 1
     if PREFETCH:
         # The block ids of tile j + 1 are requested while tile j runs, so a tile's key/value loads never
         # wait on the block-table load of their own iteration (Triton's pipeliner then overlaps the key/
         # value copies with the products; left alone it serialises block ids -> copies -> products).
-        block_next = _tile_blocks(bt_row, 0, last_pos, BLOCK_N, BLOCK_SIZE)
-    for j in range(0, num_tiles):
+        block_next = _tile_blocks(bt_row, tile_lo, last_pos, BLOCK_N, BLOCK_SIZE)
+    for j in range(tile_lo, num_tiles):
         kv_pos = j * BLOCK_N + tl.arange(0, BLOCK_N)
         if PREFETCH:
             block = block_next
@@ -228,7 +263,7 @@ def paged_attention_kernel(
             v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM)
             m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                         IEEE, KV_FP8, V_CVT, DOT_SUM)
+                                         IEEE, KV_FP8, V_CVT, DOT_SUM, lo_pos, MAX_SPLITS > 0)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:
@@ -238,8 +273,24 @@ def paged_attention_kernel(
     else:
         if DOT_SUM:
             l_i = tl.max(l_i, axis=1)    # every column holds the sum: max is exact and order-free
-        out = acc / l_i[:, None]
+        if MAX_SPLITS > 0:
+            # A one-split row normalises and stores as the unsplit form does; the others leave their
+            # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
+            single = active & (n_splits == 1)
+            out = acc / tl.where(single, l_i, 1.0)[:, None]
+            multi = active & (n_splits > 1)
+            if FIXED_SLOTS:   # where the partial goes changes no arithmetic
+                slot = t * MAX_SPLITS - slot_base + split
+            else:
+                slot = tl.load(soff_ptr + t, mask=multi, other=0) - slot_base + split
+            part = slot * num_heads + head
+            tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=multi[:, None])
+            tl.store(ml_ptr + 2 * part, m_i, mask=multi)
+            tl.store(ml_ptr + 2 * part + 1, l_i, mask=multi)
+        else:
+            single = row_ok
+            out = acc / l_i[:, None]
         if KV_FP8:
             out = out * tl.load(v_scale_ptr + kv_head)
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=single[:, None])

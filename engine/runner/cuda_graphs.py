@@ -12,7 +12,7 @@ Why the bits equal the eager path's: the deterministic kernels are row-independe
 on M, RMSNorm per row, attention per sequence), the attention plan only maps programs to sequences, and the
 padding rows write no cache slot (input_buffers docstring). So a real row computes exactly what it computes
 in an eager step of any size. The captured metadata's host lengths are placeholders (`graph_metadata`): the
-MLA kernel of DeepSeek-V2/V3 then runs its static decode plan (kernels/mla_decode_plan.py), the same bits as
+MLA kernel of DeepSeek-V2/V3 then runs its static decode plan (kernels/split_plan.py), the same bits as
 the host plan an eager step builds from the real lengths; padding tokens are routed through the MoE like any
 other token, and its fixed tiles keep a token's bits independent of which tokens share its experts.
 Fast mode is not batch-invariant: a graph step computes its rows as an eager step of the bucket's size
@@ -70,8 +70,15 @@ class DecodeGraphs:
     """Captured decode forwards over fixed input buffers; `run` replays the one that fits a step."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
-                 max_num_seqs: int, device: torch.device, max_graph_batch: int = 256) -> None:
+                 max_num_seqs: int, device: torch.device, max_graph_batch: int = 256,
+                 split_from: int | None = None) -> None:
         self.model = model
+        # The first position at which the model's paged attention splits a row's keys (None: never). A
+        # step with such a row replays the bucket's split graph (split_kv metadata: the kernel's split
+        # launches), captured on first use; the others replay the one-program graphs.
+        self.split_from = split_from
+        self._split_graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerReplay, torch.Tensor]] = {}
+        self._split_step = False   # whether the step `stage` staged last has a row past split_from
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -87,8 +94,8 @@ class DecodeGraphs:
         self._stand_ins = False   # lazily made buckets are eager stand-ins (CPU tests)
         self._pool: object | None = None
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return graph_metadata(self.buffers, b, self.block_size)
+    def _meta(self, b: int, split_kv: bool = False) -> AttentionMetadata:
+        return graph_metadata(self.buffers, b, self.block_size, split_kv)
 
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
         buf = self.buffers
@@ -109,7 +116,7 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._pool = torch.cuda.graph_pool_handle()   # split graphs captured later share it
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
             self._capture_one(b, pool, side)
@@ -134,22 +141,22 @@ class DecodeGraphs:
         self.lazy, self._stand_ins = True, stand_ins
 
     @torch.inference_mode()
-    def _capture_now(self, b: int) -> None:
+    def _capture_now(self, b: int, split_kv: bool = False) -> None:
+        """Capture bucket `b` (its split graph with `split_kv`) on the staged step (module docstring)."""
         t0 = time.perf_counter()
+        graphs = self._split_graphs if split_kv else self._graphs
+        meta = self._meta(b, split_kv)
         if self._stand_ins:
-            meta = self._meta(b)
             replay = EagerReplay(lambda: self._forward(b, meta))
-            self._graphs[b] = (replay, replay.out)
+            graphs[b] = (replay, replay.out)
         else:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            meta = self._meta(b)
-            self._graphs[b] = capture_measured(self.stats, lambda: self._forward(b, meta), self._pool,
-                                               self.device)
+            graphs[b] = capture_measured(self.stats, lambda: self._forward(b, meta), self._pool, self.device)
         self.stats.buckets = sorted(self._graphs)
         self.stats.capture_seconds += time.perf_counter() - t0
-        logger.info("captured the CUDA graph of decode batch size %d on first use (%.2f s)", b,
-                    time.perf_counter() - t0)
+        logger.info("captured the CUDA graph of decode batch size %d%s on first use (%.2f s)", b,
+                    " (rows with split keys)" if split_kv else "", time.perf_counter() - t0)
 
     @torch.inference_mode()
     def stand_in_replays(self) -> None:
@@ -160,6 +167,7 @@ class DecodeGraphs:
             replay = EagerReplay(lambda b=b, meta=meta: self._forward(b, meta))
             self._graphs[b] = (replay, replay.out)
         self.stats.buckets = list(self.buckets)
+        self._stand_ins = True   # split graphs, made on first use, are stand-ins too
 
     def fits(self, out: SchedulerOutput) -> bool:
         """Whether a captured graph can run this step (pure decode, no more rows than the largest bucket)."""
@@ -186,6 +194,8 @@ class DecodeGraphs:
         b = pick_bucket(self.buckets, n)
         if b is None:
             raise ValueError(f"decode step of {n} rows exceeds the largest bucket {self.buckets[-1]}")
+        # a decode row's position is its start: split counts grow with the position, so the longest decides
+        self._split_step = self.split_from is not None and max(starts) >= self.split_from
         self.buffers.load(self.stager.stage(tokens, starts, [q.block_table for q in seqs], b))
         if pending_rows is None:
             assert prev_ids is not None and prev_ids.shape[0] == n
@@ -206,17 +216,19 @@ class DecodeGraphs:
         states [n, hidden] of its rows, a view of the graph's static output."""
         b = self.stage(out, pending_rows, prev_ids, tokens)
         n = out.num_rows
-        if b not in self._graphs:   # lazy capture: this bucket's first step (its inputs are staged)
-            self._capture_now(b)
-        graph, hidden = self._graphs[b]
+        graphs = self._split_graphs if self._split_step else self._graphs
+        if b not in graphs:   # lazy capture: this bucket's first step (its inputs are staged)
+            self._capture_now(b, self._split_step)
+        graph, hidden = graphs[b]
         graph.replay()
         self.stats.replays += 1
         self.stats.padded_rows += b - n
         return hidden[:n]
 
-    def forward_eagerly(self, b: int) -> torch.Tensor:
-        """The captured computation of bucket `b` run eagerly on the staged buffers (tests, CPU)."""
-        return self._forward(b, self._meta(b))
+    def forward_eagerly(self, b: int, split_kv: bool = False) -> torch.Tensor:
+        """The captured computation of bucket `b` (its split graph's with `split_kv`) run eagerly on the
+        staged buffers (tests, CPU)."""
+        return self._forward(b, self._meta(b, split_kv))
 
 
 class EagerReplay:
@@ -305,9 +317,27 @@ def make_decode_graphs(model: torch.nn.Module, kv_caches: list, block_size: int,
     now or on first use (capture_mode(capture)); else None (steps run eagerly). CPU engines get None."""
     if not enable or env_flag("DEEPINFER_DISABLE_CUDA_GRAPHS") or not graphs_supported(model, device):
         return None
-    graphs = DecodeGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, device)
+    graphs = DecodeGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, device,
+                          split_from=attention_split_from(model, kv_caches))
     if capture_mode(capture) == "lazy":
         graphs.capture_lazily()
     else:
         graphs.capture()
     return graphs
+
+
+def attention_split_from(model: torch.nn.Module, kv_caches: list) -> int | None:
+    """The first position at which this model's paged attention splits a row's keys
+    (kernels/paged_attention.py, attention_split_policy); None for models that do not run it (DeepSeek's
+    MLA and V4 attention plan their own splits)."""
+    from deepinfer.engine.models.decoder import CausalLM
+    from deepinfer.kernels.paged_attention import attention_split_policy, attention_tile_config
+
+    if type(model) is not CausalLM:
+        return None
+    cfg = model.config
+    kv_fp8 = kv_caches[0][0].dtype == torch.float8_e4m3fn
+    tiles = attention_tile_config(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim,
+                                  model.dtype, kv_fp8=kv_fp8, decode=True)
+    policy = attention_split_policy(tiles)
+    return policy.min_tiles * tiles["BLOCK_N"] if policy.max_splits > 1 else None

@@ -224,17 +224,20 @@ class StaticDecodeBuffers:
         self._image.upload()
 
 
-def graph_metadata(buf: StaticDecodeBuffers, b: int, block_size: int) -> AttentionMetadata:
+def graph_metadata(buf: StaticDecodeBuffers, b: int, block_size: int, split_kv: bool = False
+                   ) -> AttentionMetadata:
     """The metadata a decode graph of bucket `b` is captured with: views of the static buffers.
 
     Its host lengths are placeholders (one query token and context 1 per row): a graph replays the same
     launches whatever the rows' positions, so nothing it runs may read them beyond the token count. Ops
     whose launches depend on positions read the device tensors, or take `decode_plan` as their static
-    program map (paged attention, and the MLA kernel's static decode plan, kernels/mla_decode_plan.py)."""
+    program map (paged attention, and the MLA kernel's static decode plan, kernels/split_plan.py).
+    `split_kv`: the graph serves steps with rows past paged attention's split threshold (its static split
+    launches, kernels/paged_attention.py)."""
     return AttentionMetadata(
         slot_mapping=buf.slot_mapping[:b], positions=buf.positions[:b],
         query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b],
         block_tables=buf.block_tables[:b], block_size=block_size, max_query_len=1,
         max_seq_len=buf.block_tables.shape[1] * block_size,
-        query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, decode_plan=buf.plan[: 2 * b],
+        query_lens_cpu=[1] * b, seq_lens_cpu=[1] * b, decode_plan=buf.plan[: 2 * b], split_kv=split_kv,
     )

@@ -26,6 +26,7 @@ from deepinfer.engine.core.scheduler_output import SchedulerOutput
 from deepinfer.engine.runner.cuda_graphs import (
     EagerReplay,
     GraphStats,
+    attention_split_from,
     capture_measured,
     env_flag,
     graphs_supported,
@@ -56,8 +57,10 @@ class PrefillGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, device: torch.device, block_q: int | None,
-                 first_bucket: int = 256, bucket_step: int = 2048, stand_ins: bool = False) -> None:
+                 first_bucket: int = 256, bucket_step: int = 2048, stand_ins: bool = False,
+                 split_from: int | None = None) -> None:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
+        self.split_from = split_from   # runner/cuda_graphs.attention_split_from
         self.buckets = prefill_buckets(max_num_batched_tokens, first_bucket, bucket_step)
         self.max_seqs = max_num_seqs
         self.block_q = block_q
@@ -70,8 +73,12 @@ class PrefillGraphs:
         self._pool: object | None = None
 
     def fits(self, out: SchedulerOutput) -> bool:
-        """Whether a bucket can run this step (module docstring; prompt logprobs are the caller's test)."""
+        """Whether a bucket can run this step (module docstring; prompt logprobs are the caller's test). A
+        step with a row at or past `split_from` runs eagerly: its attention plans split launches from the
+        rows' lengths, which a captured graph cannot replay."""
         sched = out.scheduled
+        if self.split_from is not None and any(s.start + s.num_new_tokens > self.split_from for s in sched):
+            return False
         return (not self.failed and bool(sched) and len(sched) <= self.max_seqs and not is_decode_step(out)
                 and sum(s.num_new_tokens for s in sched) <= self.buckets[-1])
 
@@ -150,4 +157,5 @@ def make_prefill_graphs(model: torch.nn.Module, kv_caches: list, block_size: int
     if not graphs_supported(model, device) or type(model) is not CausalLM:
         return None
     return PrefillGraphs(model, kv_caches, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                         device, prefill_block_q(model, kv_caches))
+                         device, prefill_block_q(model, kv_caches),
+                         split_from=attention_split_from(model, kv_caches))

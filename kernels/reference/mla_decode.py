@@ -3,16 +3,16 @@
 `mla_decode_ref` computes, per new token and head, softmax(scale * q_abs . entry) over the token's causal
 context read through the block table, times the context's latents — float32, one plain softmax, no
 chunking or splitting, so it is independent of the kernel's tiling. `head_proj_ref` is the per-head
-projection out[t, h] = W[h] @ x[t, h]. `split_counts` is the split-KV layout the kernel uses (shared so the
-host plan and the kernel agree).
+projection out[t, h] = W[h] @ x[t, h]. `split_counts` (kernels/split_plan.py) is the split-KV layout
+the kernel uses.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.split_plan import split_counts  # noqa: F401  (re-exported: tests import it here)
 
 
 def check_mla_decode_args(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -34,13 +34,6 @@ def check_mla_decode_args(q_abs: torch.Tensor, cache: torch.Tensor, meta: Attent
         raise ValueError(f"q_abs: {q_abs.shape[0]} tokens, but meta describes {meta.num_tokens}")
     if meta.positions.device != q_abs.device or meta.block_tables.device != q_abs.device:
         raise ValueError(f"meta tensors must be on {q_abs.device}")
-
-
-def split_counts(positions: np.ndarray, block_n: int, min_tiles: int, max_splits: int) -> np.ndarray:
-    """Number of KV splits of the row at each position: the split layout depends on the position only."""
-    n_tiles = positions // block_n + 1
-    per_split = np.maximum(-(-n_tiles // max_splits), min_tiles)
-    return -(-n_tiles // per_split)
 
 
 def mla_decode_ref(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,

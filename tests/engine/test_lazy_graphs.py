@@ -95,3 +95,37 @@ def test_lazy_capture_gives_the_startup_capture_bits(monkeypatch, tiny_checkpoin
             print(f"lazy: buckets {stats['cuda_graph_buckets']} in {stats['cuda_graph_capture_s']:.2f} s")
         del llm
     assert results["lazy"] == results["startup"]
+
+
+def test_steps_with_rows_past_the_split_threshold_replay_split_graphs(model_dir):
+    """A decode step with a row at or past `split_from` replays its bucket's split graph (captured on first
+    use, its metadata marked split_kv so paged attention takes its static split launches); the others the
+    one-program graphs; the outputs keep the eager bits."""
+    from tests.engine.test_overlap import _requests, _view
+
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=12,
+              max_num_batched_tokens=48)
+    prompts, params = _requests(llm.model_config.vocab_size)
+    eager = _view(llm.generate(prompts, params, use_tqdm=False))
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 512, 64, torch.device("cpu"),
+                          split_from=60)   # rows reach 40 + 30 prompt + 20 output tokens: both kinds
+    graphs.capture_lazily(stand_ins=True)
+    llm.engine.executor.graphs = graphs
+    for overlap in (True, False):
+        llm.engine.async_scheduling = overlap
+        assert _view(llm.generate(prompts, params, use_tqdm=False)) == eager
+    assert graphs._graphs and graphs._split_graphs, (graphs._graphs, graphs._split_graphs)
+    b = next(iter(graphs._split_graphs))
+    assert graphs._meta(b, True).split_kv and not graphs._meta(b).split_kv
+
+
+def test_split_from_is_the_paged_attention_policys_threshold(model_dir):
+    pytest.importorskip("triton")
+    from deepinfer.engine.runner.cuda_graphs import attention_split_from
+    from deepinfer.kernels.paged_attention import SPLIT_FROM
+
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=8)
+    runner = llm.engine.runner
+    assert attention_split_from(runner.model, runner.kv_caches) == SPLIT_FROM
+    assert attention_split_from(torch.nn.Linear(2, 2), runner.kv_caches) is None

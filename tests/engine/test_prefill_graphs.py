@@ -109,3 +109,22 @@ def test_prefill_graphs_are_cuda_only_and_can_be_switched_off(model_dir, monkeyp
         monkeypatch.setenv(switch, "1")
         assert make_prefill_graphs(*args, torch.device("cpu"), True) is None, switch
         monkeypatch.delenv(switch)
+
+
+def test_steps_with_rows_past_the_split_threshold_take_the_eager_path(model_dir):
+    """Paged attention plans a step with split rows from the rows' lengths, which a captured prefill graph
+    cannot replay: such steps run eagerly, the others still take graphs, and the outputs keep their bits."""
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=48,
+              max_num_seqs=12)
+    prompts, params = _requests(llm.model_config.vocab_size)
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    graphs = _stand_in_graphs(llm, 8, 16)
+    graphs.split_from = 75   # rows end at 55..83 in these steps
+    llm.engine.executor.prefill_graphs = graphs
+    seen = []
+    fits = graphs.fits
+    graphs.fits = lambda out: seen.append((max(s.start + s.num_new_tokens for s in out.scheduled),
+                                           fits(out))) or seen[-1][1]
+    assert _view(llm.generate(prompts, params, use_tqdm=False)) == _view(eager)
+    assert graphs.stats.replays > 0
+    assert not any(ok for end, ok in seen if end > 75) and any(end > 75 for end, _ in seen)

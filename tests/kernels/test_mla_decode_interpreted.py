@@ -15,8 +15,8 @@ import importlib
 
 import pytest
 import torch
-from deepinfer.kernels.mla_decode_plan import get_host_plan
 from deepinfer.kernels.reference.mla_decode import head_proj_ref, mla_decode_ref
+from deepinfer.kernels.split_plan import get_host_plan
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
@@ -78,10 +78,11 @@ def test_scratch_is_cut_into_groups_without_changing_results(mla, monkeypatch):
     meta, qs = _step(blocks, q, rows)
     whole = mla.mla_decode(qs, cache, meta, 0.3, RANK, policy=pol)
     slot = 20 * (RANK + 2) * 4
-    monkeypatch.setattr(mla, "SCRATCH_BUDGET_BYTES", 7 * slot)
+    from deepinfer.kernels import split_combine
+    monkeypatch.setattr(split_combine, "SCRATCH_BUDGET_BYTES", 7 * slot)
     meta2, _ = _step(blocks, q, rows)
     cfg = mla.mla_tile_config(20, RANK, ROPE, torch.float32)
-    plan = get_host_plan(meta2, cfg["BLOCK_Q"], cfg["BLOCK_N"], pol, slot, mla.SCRATCH_BUDGET_BYTES,
+    plan = get_host_plan(meta2, cfg["BLOCK_Q"], cfg["BLOCK_N"], pol, slot, split_combine.SCRATCH_BUDGET_BYTES,
                          qs.device)
     assert len(plan.groups) > 3 and all(g.num_slots <= 7 or g.entry_hi - g.entry_lo == 1 for g in plan.groups)
     cut = mla.mla_decode(qs, cache, meta2, 0.3, RANK, policy=pol)

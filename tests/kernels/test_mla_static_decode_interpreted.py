@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepinfer.kernels.mla_decode_plan import static_decode_ranges
 from deepinfer.kernels.reference.mla_decode import mla_decode_ref, split_counts
+from deepinfer.kernels.split_plan import static_decode_ranges
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
@@ -28,7 +28,7 @@ RANK, ROPE, BLOCK = 32, 8, 16
 
 @pytest.fixture(scope="module")
 def mla():
-    return interpreted_kernels("mla_decode", "_mla_split_kernel", "_mla_combine_kernel")
+    return interpreted_kernels("mla_decode", "_mla_split_kernel")
 
 
 def _policy(mla, name):
@@ -91,8 +91,9 @@ def test_static_decode_plan_cut_into_launches_keeps_the_bits(mla, monkeypatch):
     positions = [300, 5, 100, 40, 300, 100, 5]
     host, static, _ = _both_forms(mla, positions, 8, 4, torch.float32, pol, seed=3)
     slot_bytes = 4 * (RANK + 2) * 4
-    monkeypatch.setattr(mla, "SCRATCH_BUDGET_BYTES", 2 * pol.max_splits * slot_bytes)
-    assert static_decode_ranges(8, pol.max_splits, slot_bytes, mla.SCRATCH_BUDGET_BYTES) == \
+    from deepinfer.kernels import split_combine
+    monkeypatch.setattr(split_combine, "SCRATCH_BUDGET_BYTES", 2 * pol.max_splits * slot_bytes)
+    assert static_decode_ranges(8, pol.max_splits, slot_bytes, split_combine.SCRATCH_BUDGET_BYTES) == \
         [(0, 2), (2, 4), (4, 6), (6, 8)]
     _, cut, _ = _both_forms(mla, positions, 8, 4, torch.float32, pol, seed=3)
     assert same_bits(cut, static) and same_bits(cut, host)

@@ -11,11 +11,13 @@ with a prefill chunk runs the prefill config for all its rows), for sequences of
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
+from deepinfer.kernels.split_plan import SplitPolicy
 
 from tests.support.paged_batches import SeqStep, build_metadata, host_step_of, random_block_lists
 
@@ -68,17 +70,32 @@ def setup(request):
     return dict(lens=lens, blocks=blocks, q=q, kc=kc, vc=vc, ks=ks, vs=vs, offsets=offsets, scale=d ** -0.5)
 
 
-def _step(s, rows, decode_plan=False):
-    """rows: (seq, first new position, context length after the step); returns (out, meta, q rows)."""
-    from deepinfer.kernels.paged_attention import paged_attention
+def _step(s, rows, decode_plan=False, split=None):
+    """rows: (seq, first new position, context length after the step); returns (out, meta, q rows).
+    decode_plan: as a CUDA-graph decode step (the static plan; split_kv as the runner would set it, from the
+    longest row). split: the split-KV policy (None: the shape's default)."""
+    from deepinfer.kernels.paged_attention import (
+        attention_split_policy,
+        attention_tile_config,
+        paged_attention,
+    )
 
     meta = build_metadata([SeqStep(s["blocks"][b], ctx, ctx - lo) for b, lo, ctx in rows], BS, DEV)
+    qs = torch.cat([s["q"][s["offsets"][b] + lo:s["offsets"][b] + ctx] for b, lo, ctx in rows])
     if decode_plan:
         plan = torch.zeros(2 * len(rows), dtype=torch.int32)
         plan[0::2] = torch.arange(len(rows), dtype=torch.int32)
         meta.decode_plan = plan.to(DEV)
-    qs = torch.cat([s["q"][s["offsets"][b] + lo:s["offsets"][b] + ctx] for b, lo, ctx in rows])
-    return paged_attention(qs, s["kc"], s["vc"], meta, s["scale"], s["ks"], s["vs"]), meta, qs
+        cfg = attention_tile_config(qs.shape[1] // s["kc"].shape[2], qs.shape[2], qs.dtype,
+                                    kv_fp8=s["ks"] is not None, decode=True)
+        pol = split or attention_split_policy(cfg)
+        meta.split_kv = max(ctx for _, _, ctx in rows) - 1 >= pol.min_tiles * cfg["BLOCK_N"]
+    out = paged_attention(qs, s["kc"], s["vc"], meta, s["scale"], s["ks"], s["vs"], split=split)
+    return out, meta, qs
+
+
+# Splits from 2 key tiles on (32-256 positions by shape), up to 5: most of the random rows split.
+SMALL_SPLITS = SplitPolicy(min_tiles=2, max_splits=5)
 
 
 def _index(s, rows):
@@ -86,36 +103,41 @@ def _index(s, rows):
     return torch.cat([torch.arange(offsets[b] + lo, offsets[b] + ctx) for b, lo, ctx in rows]).to(DEV)
 
 
-def test_decode_rows_bitwise_equal_prefill_rows(setup):
+@pytest.mark.parametrize("split", [None, SMALL_SPLITS], ids=["default_splits", "small_splits"])
+def test_decode_rows_bitwise_equal_prefill_rows(setup, split):
+    """Also across split-KV layouts: the default one (rows past SPLIT_FROM = 1024 split) and one that
+    splits most rows; the decode steps include the CUDA-graph form's static split launches."""
     s = setup
     lens = s["lens"]
-    full, *_ = _step(s, [(b, 0, n) for b, n in enumerate(lens)])
+    run = functools.partial(_step, split=split)
+    full, *_ = run(s, [(b, 0, n) for b, n in enumerate(lens)])
     gen = torch.Generator().manual_seed(23)
     probe = [(b, p) for b, n in enumerate(lens)
              for p in sorted(set(torch.randint(0, n, (40,), generator=gen).tolist()) | {0, n - 1})]
     rows = [(b, p, p + 1) for b, p in probe]
     for plan in (True, False):
-        dec, *_ = _step(s, rows, decode_plan=plan)
+        dec, *_ = run(s, rows, decode_plan=plan)
         assert torch.equal(dec, full[_index(s, rows)]), f"decode (graph plan {plan}) != prefill rows"
     # the last token of chunks with random starts (a preemption recompute or a chunked prefill)
     chunks = [(b, int(torch.randint(0, n, (1,), generator=gen)), n) for b, n in enumerate(lens)]
-    out, *_ = _step(s, chunks)
+    out, *_ = run(s, chunks)
     assert torch.equal(out, full[_index(s, chunks)]), "chunked prefill rows != full prefill rows"
     last = torch.tensor([s["offsets"][b] + n - 1 for b, n in enumerate(lens)], device=DEV)
-    dec, *_ = _step(s, [(b, n - 1, n) for b, n in enumerate(lens)], decode_plan=True)
+    dec, *_ = run(s, [(b, n - 1, n) for b, n in enumerate(lens)], decode_plan=True)
     assert torch.equal(dec, full[last]), "decode of each sequence's last token != its prefill row"
     # a mixed step: decode rows next to a prefill chunk (the step runs the prefill config)
     mixed = [(b, n - 1, n) for b, n in enumerate(lens[:-1])] + [(len(lens) - 1, 0, lens[-1])]
-    out, *_ = _step(s, mixed)
+    out, *_ = run(s, mixed)
     assert torch.equal(out, full[_index(s, mixed)]), "decode rows in a mixed step != prefill rows"
 
 
-def test_decode_and_prefill_match_reference(setup):
+@pytest.mark.parametrize("split", [None, SMALL_SPLITS], ids=["default_splits", "small_splits"])
+def test_decode_and_prefill_match_reference(setup, split):
     s = setup
     lens = s["lens"]
     for rows, plan in (([(b, n - 1, n) for b, n in enumerate(lens)], True),
                        ([(b, n // 3, n) for b, n in enumerate(lens)], False)):
-        out, meta, qs = _step(s, rows, decode_plan=plan)
+        out, meta, qs = _step(s, rows, decode_plan=plan, split=split)
         assert not out.isnan().any(), "unwritten (NaN) cache slots leaked into the output"
         ref = paged_attention_ref(qs, s["kc"], s["vc"], meta, s["scale"], s["ks"], s["vs"]).float()
         # bf16 p before the PV product (fp16 on the e4m3 cache's fp16 path) and a bf16 output: a few ulps
@@ -138,8 +160,9 @@ def test_static_prefill_plan_gives_the_host_plans_bits(setup):
 
     s = setup
     lens = s["lens"]
-    # a mixed step: decode rows and chunks after a prefix
-    rows = [(b, n - 1, n) if b % 3 == 0 else (b, n // 3, n) for b, n in enumerate(lens)]
+    # a mixed step: decode rows and chunks after a prefix; no row past SPLIT_FROM (the runner sends steps
+    # with split rows down the eager path: runner/prefill_graphs.py)
+    rows = [(b, n - 1, n) if b % 3 == 0 else (b, n // 3, n) for b, n in enumerate(lens) if n <= 1024]
     eager, meta, qs = _step(s, rows)
     t = qs.shape[0]
     hq, hkv, d = qs.shape[1], s["kc"].shape[2], qs.shape[2]

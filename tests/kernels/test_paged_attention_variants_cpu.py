@@ -15,3 +15,8 @@ def test_paged_attention_variants_pass_under_interpreter(request):
 @launches("tests/kernels/test_paged_attention_static_plan_interpreted.py")
 def test_paged_attention_static_prefill_plan_passes_under_interpreter(request):
     run_interpreted(request, "paged-attention static prefill plan")
+
+
+@launches("tests/kernels/test_paged_attention_split_interpreted.py")
+def test_paged_attention_split_kv_passes_under_interpreter(request):
+    run_interpreted(request, "paged-attention split-KV")

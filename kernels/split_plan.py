@@ -1,11 +1,14 @@
-"""Launch plans of the MLA attention kernels (kernels/mla_decode.py): which programs run, and where a row with
-several KV splits keeps its partial results. Host-side only (numpy, torch): no Triton here.
+"""Split-KV launch plans shared by the attention kernels that split a row's keys (kernels/mla_decode.py,
+kernels/paged_attention.py): which programs run, and where a row with several KV splits keeps its partial
+results. Host-side only (numpy, torch): no Triton here.
 
-A program covers one plan entry (sequence, query block), one head block and one split index; a row with
-n_splits(p) > 1 (a function of its position p and the `SplitPolicy` only, `split_counts`) leaves one
-(acc, max, sum) partial per split in a scratch buffer, which the combine kernel merges in split order.
-Two plan forms give the same programs per token and the same arithmetic; only the grid's extent and the
-partials' addresses differ, so a token's output bits are the same under either:
+A row at position p has n_tiles = p // BLOCK_N + 1 key tiles, cut into `split_counts` consecutive ranges of
+max(min_tiles, ceil(n_tiles / max_splits)) tiles: a function of the row's own position and the
+`SplitPolicy` only, never of the batch. A program covers one plan entry (sequence, query block), one head
+block and one split index; a row with n_splits(p) > 1 leaves one (acc, max, sum) partial per split in a
+scratch buffer, which the combine kernel (kernels/split_combine.py) merges in split order. Two plan forms
+give the same programs per token and the same arithmetic; only the grid's extent and the partials'
+addresses differ, so a token's output bits are the same under either:
 
 - the host plan (`get_host_plan`), for any mix of prefill and decode rows: built from the step's host
   lengths; the grid's split axis is the most splits of any row of a launch group, each multi-split token's
@@ -27,12 +30,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from deepinfer.kernels.metadata import plan_cached_on
-from deepinfer.kernels.reference.mla_decode import split_counts
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
-_PLAN_ATTR = "_mla_decode_plans"
+_PLAN_ATTR = "_split_kv_plans"
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,18 @@ class SplitPolicy:
                              "must be >= 1")
 
 
-# Deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up to 4.
+# MLA's deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up
+# to 4. (Paged attention's policies: kernels/paged_attention.py, attention_split_policy.)
 DETERMINISTIC_SPLITS = SplitPolicy(min_tiles=16, max_splits=4)
 NO_SPLIT = SplitPolicy(min_tiles=1 << 30, max_splits=1)
+
+
+def split_counts(positions: np.ndarray, block_n: int, min_tiles: int, max_splits: int) -> np.ndarray:
+    """Number of KV splits of the row at each position: the split layout depends on the position only
+    (the kernels compute the same from a row's position)."""
+    n_tiles = positions // block_n + 1
+    per_split = np.maximum(-(-n_tiles // max_splits), min_tiles)
+    return -(-n_tiles // per_split)
 
 
 @dataclass

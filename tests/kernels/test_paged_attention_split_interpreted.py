@@ -1,0 +1,169 @@
+"""The paged-attention kernel's split-KV form under Triton's interpreter (a TRITON_INTERPRET=1 subprocess
+started by tests/kernels/test_paged_attention_variants_cpu.py), tiny shapes, float32 and e4m3 caches.
+
+A row past the policy's threshold reduces its keys in several programs (kernels/split_plan.py) merged by
+kernels/split_combine.py. Checked here: agreement with paged_attention_ref for prefill, chunked, prefix-hit
+and decode rows in every tile family the engine runs (plain, DOT_SUM, PREFETCH, FP16_KV on e4m3); rows of
+one split keep the one-program form's bits exactly; the static decode plan (a CUDA graph's) gives the host
+plan's bits, also when the scratch budget cuts it into several launches; the default policy splits exactly
+from SPLIT_FROM on. That decode and prefill rows agree bit for bit needs the compiled kernels:
+tests/kernels/test_paged_attention_decode_gpu.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from deepinfer.kernels.reference.attention import paged_attention_ref
+from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
+from deepinfer.kernels.split_plan import SplitPolicy, split_counts
+
+from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
+from tests.support.paged_batches import filled_step, padded_decode_metadata, same_bits
+
+skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
+
+BS, HQ, HKV, D, BLOCK_N = 16, 8, 2, 16, 32
+# Rows at positions >= 64 split (3 tiles of 32 and more): 64..95 in two, 160.. in three.
+POLICY = SplitPolicy(min_tiles=2, max_splits=3)
+# (context, new tokens): one split; a prefill crossing both thresholds; a chunk starting in split 0 and
+# ending in split 1; decodes of three and two splits; a one-token sequence.
+LENS = [(37, 5), (170, 170), (90, 40), (300, 1), (70, 1), (1, 1)]
+
+
+@pytest.fixture(scope="module")
+def pa():
+    return interpreted_kernels("paged_attention")
+
+
+@pytest.fixture(scope="module")
+def step():
+    gen = torch.Generator().manual_seed(21)
+    st = filled_step(LENS, BS, HKV, D, gen, table_seed=4, key_scale=3)
+    k8 = torch.full_like(st.k_cache, float("nan")).to(torch.float8_e4m3fn)
+    v8 = k8.clone()
+    ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
+    store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, ks, vs)
+    q = (torch.randn(st.meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
+    return dict(st=st, q=q, k8=k8, v8=v8, ks=ks, vs=vs)
+
+
+def _cfg(block_m: int, dot_sum: int = 0, prefetch: int = 0, fp16_kv: int = 0, vcvt: int = 0, warps: int = 4,
+         stages: int = 2) -> dict[str, int]:
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": BLOCK_N, "num_warps": warps,
+            "num_stages": stages, "SWAP": 0, "FP16_KV": fp16_kv, "V_NAT": 0, "V_CVT": vcvt,
+            "PREFETCH": prefetch, "DOT_SUM": dot_sum}
+
+
+CONFIGS = {   # the engine's tile families, in tiny form
+    "plain_prefill": _cfg(32),
+    "plain_decode": _cfg(16),
+    "dot_sum_one_warp": _cfg(16, dot_sum=1, warps=1, stages=3),
+    "dot_sum_prefill": _cfg(64, dot_sum=1, warps=2),
+    "prefetch": _cfg(32, prefetch=1, stages=3),
+}
+
+
+def _operands(c: dict, e4m3: bool) -> tuple:
+    st = c["st"]
+    if e4m3:
+        return c["q"], c["k8"], c["v8"], st.meta, 0.3, c["ks"], c["vs"]
+    return c["q"], st.k_cache, st.v_cache, st.meta, 0.3, None, None
+
+
+def test_the_step_has_rows_of_one_two_and_three_splits(step):
+    pos = step["st"].meta.positions.numpy()
+    assert set(split_counts(pos, BLOCK_N, POLICY.min_tiles, POLICY.max_splits).tolist()) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_split_form_matches_reference(pa, step, name, e4m3):
+    cfg = dict(CONFIGS[name])
+    if e4m3:
+        cfg.update(FP16_KV=1, V_CVT=1)
+    q, kc, vc, meta, scale, ks, vs = _operands(step, e4m3)
+    out = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, cfg, split=POLICY)
+    ref = paged_attention_ref(q, kc, vc, meta, scale, ks, vs)
+    assert not out.isnan().any()
+    tol = 2e-3 if e4m3 else 2e-5
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", ["plain_prefill", "dot_sum_prefill", "prefetch"])
+def test_rows_of_one_split_keep_the_one_program_bits(pa, step, name):
+    q, kc, vc, meta, scale, ks, vs = _operands(step, False)
+    split = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, CONFIGS[name], split=POLICY)
+    whole = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, CONFIGS[name], split=None)
+    one = split_counts(meta.positions.numpy(), BLOCK_N, POLICY.min_tiles, POLICY.max_splits) == 1
+    assert one.sum() > 0 and (~one).sum() > 0
+    assert same_bits(split[torch.from_numpy(one)], whole[torch.from_numpy(one)])
+    assert not torch.equal(split[torch.from_numpy(~one)], whole[torch.from_numpy(~one)])
+
+
+def _decode_case(positions: list[int], seed: int):
+    """A cache holding each row's context (finite block 0: padding rows read it) and q for 16 rows."""
+    gen = torch.Generator().manual_seed(seed)
+    st = filled_step([(p + 1, 1) for p in positions], BS, HKV, D, gen, table_seed=seed)
+    kc, vc = st.k_cache.clone(), st.v_cache.clone()
+    for c in (kc, vc):
+        c[0] = torch.where(c[0].isnan(), torch.randn(c[0].shape, generator=gen), c[0])
+    tables = st.meta.block_tables.tolist()
+    blocks = [tables[i][: -(-(p + 1) // BS)] for i, p in enumerate(positions)]
+    return blocks, kc, vc, torch.randn(16, HQ, D, generator=gen)
+
+
+@pytest.mark.parametrize("positions,bucket", [([300, 5, 70, 170, 64, 63], 8), ([170], 1), ([5, 40], 4)])
+def test_static_decode_plan_gives_the_host_plans_bits(pa, positions, bucket):
+    blocks, kc, vc, q = _decode_case(positions, seed=len(positions))
+    eager, graph = padded_decode_metadata(blocks, positions, bucket, BS)
+    graph.split_kv = True
+    cfg = pa.attention_tile_config(HQ // HKV, D, torch.float32, decode=True)
+    qs = q[:bucket].contiguous()
+    host = pa.paged_attention(qs, kc, vc, eager, 0.3, split=POLICY)
+    static = pa.paged_attention(qs, kc, vc, graph, 0.3, split=POLICY)
+    n = len(positions)
+    assert cfg["BLOCK_N"] == BLOCK_N and not static[:n].isnan().any()
+    assert same_bits(static[:n], host[:n])
+    torch.testing.assert_close(static[:n], paged_attention_ref(qs, kc, vc, eager, 0.3)[:n], atol=2e-5,
+                               rtol=2e-5)
+
+
+def test_scratch_budget_cuts_launches_without_changing_bits(pa, step, monkeypatch):
+    from deepinfer.kernels import split_combine
+
+    q, kc, vc, meta, scale, ks, vs = _operands(step, True)
+    cfg = dict(CONFIGS["plain_prefill"], FP16_KV=1, V_CVT=1)
+    whole = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, cfg, split=POLICY)
+    # two (token, split) slots per launch: the host plan cuts the step into many launch groups
+    monkeypatch.setattr(split_combine, "SCRATCH_BUDGET_BYTES", 2 * HQ * (D + 2) * 4)
+    meta.__dict__.pop("_split_kv_plans", None)
+    cut = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, cfg, split=POLICY)
+    assert same_bits(cut, whole)
+
+
+@pytest.mark.parametrize("group,head_dim,dtype,kv_fp8", [
+    (7, 64, torch.bfloat16, False), (4, 128, torch.bfloat16, False), (4, 128, torch.bfloat16, True),
+    (7, 64, torch.bfloat16, True), (4, 16, torch.float32, False),
+])
+def test_default_policy_splits_from_split_from_on(pa, group, head_dim, dtype, kv_fp8):
+    for decode in (False, True):
+        cfg = pa.attention_tile_config(group, head_dim, dtype, kv_fp8=kv_fp8, decode=decode)
+        pol = pa.attention_split_policy(cfg)
+        at = np.array([pa.SPLIT_FROM - 1, pa.SPLIT_FROM, 64 * pa.SPLIT_FROM])
+        counts = split_counts(at, cfg["BLOCK_N"], pol.min_tiles, pol.max_splits)
+        assert counts.tolist() == [1, 2, pa.MAX_SPLITS]
+
+
+def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):
+    from deepinfer.kernels.split_plan import NO_SPLIT
+
+    _, graph = padded_decode_metadata([[1]], [3], 2, BS)
+    assert not pa._needs_split(graph, POLICY, BLOCK_N)        # captured for short rows
+    graph.split_kv = True
+    assert pa._needs_split(graph, POLICY, BLOCK_N)
+    assert not pa._needs_split(graph, NO_SPLIT, BLOCK_N)
+    meta = step["st"].meta
+    assert pa._needs_split(meta, POLICY, BLOCK_N)              # host lengths: the 300-token row splits
+    assert not pa._needs_split(meta, SplitPolicy(min_tiles=10, max_splits=3), BLOCK_N)
