@@ -59,7 +59,7 @@ from deepinfer.kernels.paged_attention_kernel import paged_attention_kernel as _
 from deepinfer.kernels.pdl import pdl_options
 from deepinfer.kernels.reference.attention import check_attention_args
 from deepinfer.kernels.split_combine import SplitLauncher
-from deepinfer.kernels.split_plan import SplitPolicy
+from deepinfer.kernels.split_plan import NO_SPLIT, SplitPolicy
 
 if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
@@ -92,8 +92,12 @@ _PLAN_ATTR = "_paged_attention_plans"
 # Split-KV (kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its keys in up to MAX_SPLITS
 # ranges of whole tiles, each its own program, merged by kernels/split_combine.py. Below it a row keeps the
 # one-program form and its bits (no benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it
-# buys is decode programs for long rows in small batches: a batch of 4 on the 8B shape is 32 programs on
-# 132 SMs, each streaming its whole context alone.
+# buys is decode programs for long rows in small batches: a batch of 8 on a model with 2 kv heads is 16
+# programs on 132 SMs, each streaming its whole context alone. On by default for the plain tile family (16-bit
+# cache, heads below 128), whose split form compiles for sm_90 without spilling; the DOT_SUM families (an
+# e4m3 cache, 128-dim heads) split only when asked (`split=`): their one-warp decode tile spills inside the
+# key loop in the split form (benchmarks/RESULTS.md, 2026-12-04 19:40), so whether splitting pays there is a
+# measurement still to make (benchmarks/attn_split.py).
 SPLIT_FROM = 1024
 MAX_SPLITS = 8
 
@@ -139,8 +143,11 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
 
 def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
     """The split-KV layout of a tile config: rows at positions >= SPLIT_FROM split into ranges of at least
-    SPLIT_FROM // BLOCK_N tiles, at most MAX_SPLITS of them. Decode and prefill configs of one shape share
-    BLOCK_N, so they share the layout: a function of the model shape and the row's position only."""
+    SPLIT_FROM // BLOCK_N tiles, at most MAX_SPLITS of them; NO_SPLIT for the DOT_SUM families (see
+    SPLIT_FROM). Decode and prefill configs of one shape share BLOCK_N and the family, so they share the
+    layout: a function of the model shape and the row's position only."""
+    if cfg.get("DOT_SUM", 0):
+        return NO_SPLIT
     return SplitPolicy(min_tiles=max(1, SPLIT_FROM // cfg["BLOCK_N"]), max_splits=MAX_SPLITS)
 
 
@@ -278,4 +285,4 @@ class _SplitLaunch(SplitLauncher):
         _launch(grid, self.q, self.k_cache, self.v_cache, self.meta, self.scale, self.k_scale, self.v_scale,
                 self.cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
                 num_heads=self.num_heads, MIN_TILES=self.policy.min_tiles, MAX_SPLITS=self.policy.max_splits,
-                FIXED_SLOTS=fixed_slots)
+                FIXED_SLOTS=fixed_slots, ONE_TOKEN=self.meta.max_query_len == 1)

@@ -130,6 +130,22 @@ def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE
     return m_new, l_i, acc
 
 
+@triton.jit
+def _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i, rows,
+                   HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, FIXED_SLOTS: tl.constexpr):
+    """A split's state (acc, max, sum) of `rows` at their scratch slots (kernels/split_combine.py). The
+    offsets stay int32 (a launch's scratch is below 2^31 floats, split_combine.SCRATCH_BUDGET_BYTES): 64-bit
+    address tiles of the fp32 partial cost the epilogue its registers."""
+    if FIXED_SLOTS:   # where the partial goes changes no arithmetic
+        slot = t * MAX_SPLITS - slot_base + split
+    else:
+        slot = tl.load(soff_ptr + t, mask=rows, other=0) - slot_base + split
+    part = (slot * num_heads + head).to(tl.int32)
+    tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=rows[:, None])
+    tl.store(ml_ptr + 2 * part, m_i, mask=rows)
+    tl.store(ml_ptr + 2 * part + 1, l_i, mask=rows)
+
+
 # stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
 # step runs the same binary.
 @triton.jit(do_not_specialize=["stride_bt", "slot_base", "num_heads"])
@@ -145,8 +161,10 @@ def paged_attention_kernel(
     PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0, PDL: tl.constexpr = 0,
     part_ptr=None, ml_ptr=None, soff_ptr=None, slot_base=0, num_heads=0,
     MIN_TILES: tl.constexpr = 1, MAX_SPLITS: tl.constexpr = 0, FIXED_SLOTS: tl.constexpr = False,
+    ONE_TOKEN: tl.constexpr = False,
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
+    ROW_SPLITS: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN   # a split layout per row (prefill)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(plan_ptr + 2 * pid)
@@ -161,7 +179,20 @@ def paged_attention_kernel(
     t = (q_start + tok).to(tl.int64)
     # Padding rows take position 0: finite arithmetic, never stored.
     q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
-    if MAX_SPLITS > 0:
+    if MAX_SPLITS > 0 and ONE_TOKEN:
+        # Split form of a decode step: the program's rows are one token's heads, so its split layout is one
+        # scalar. Its tiles [lo, hi) all hold keys <= the position (lo * BLOCK_N <= p), so the plain mask
+        # gives each row exactly the per-row form's arithmetic below (whose extra bounds are then vacuous).
+        tl.static_assert(not SWAP, "the split form runs the untransposed tile")
+        split = tl.program_id(2)
+        last_pos = tl.max(q_pos, axis=0)
+        n_tiles = last_pos // BLOCK_N + 1
+        per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
+        n_splits = (n_tiles + per_split - 1) // per_split
+        lo_pos = 0
+        tile_lo = split * per_split
+        num_tiles = tl.minimum(tile_lo + per_split, n_tiles)     # empty past the token's last split
+    elif MAX_SPLITS > 0:
         # Split form (module docstring of kernels/split_plan.py): this program reduces split
         # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
         tl.static_assert(not SWAP, "the split form runs the untransposed tile")
@@ -263,7 +294,7 @@ def paged_attention_kernel(
             v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM)
             m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                         IEEE, KV_FP8, V_CVT, DOT_SUM, lo_pos, MAX_SPLITS > 0)
+                                         IEEE, KV_FP8, V_CVT, DOT_SUM, lo_pos, ROW_SPLITS)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:
@@ -273,24 +304,31 @@ def paged_attention_kernel(
     else:
         if DOT_SUM:
             l_i = tl.max(l_i, axis=1)    # every column holds the sum: max is exact and order-free
-        if MAX_SPLITS > 0:
+        if MAX_SPLITS > 0 and ONE_TOKEN:
+            # The token's split count decides for all rows: a scalar branch keeps one store live at a time.
+            if split < n_splits:
+                if n_splits == 1:
+                    out = acc / l_i[:, None]
+                    if KV_FP8:
+                        out = out * tl.load(v_scale_ptr + kv_head)
+                    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                else:
+                    _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc,
+                                   m_i, l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
+        elif MAX_SPLITS > 0:
             # A one-split row normalises and stores as the unsplit form does; the others leave their
             # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
             single = active & (n_splits == 1)
             out = acc / tl.where(single, l_i, 1.0)[:, None]
             multi = active & (n_splits > 1)
-            if FIXED_SLOTS:   # where the partial goes changes no arithmetic
-                slot = t * MAX_SPLITS - slot_base + split
-            else:
-                slot = tl.load(soff_ptr + t, mask=multi, other=0) - slot_base + split
-            part = slot * num_heads + head
-            tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=multi[:, None])
-            tl.store(ml_ptr + 2 * part, m_i, mask=multi)
-            tl.store(ml_ptr + 2 * part + 1, l_i, mask=multi)
+            _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i,
+                           multi, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
         else:
             single = row_ok
             out = acc / l_i[:, None]
-        if KV_FP8:
-            out = out * tl.load(v_scale_ptr + kv_head)
-        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=single[:, None])
+        if not (MAX_SPLITS > 0 and ONE_TOKEN):
+            if KV_FP8:
+                out = out * tl.load(v_scale_ptr + kv_head)
+            tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=single[:, None])

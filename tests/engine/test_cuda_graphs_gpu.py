@@ -154,3 +154,21 @@ def test_flattened_gemm_tile_loops_change_no_bit(model, monkeypatch):
     """MatmulConfig.flatten (the prefill buckets' persistent tile loops pipelined with their K loops) gives
     the bits of the unflattened loops ($DEEPINFER_DISABLE_GEMM_FLATTEN=1) on a whole model."""
     _switch_changes_no_bit(model, monkeypatch, "DEEPINFER_DISABLE_GEMM_FLATTEN", "flattened GEMMs")
+
+
+def test_split_kv_rows_keep_their_bits_in_graphs_and_batches(model, monkeypatch):
+    """Paged attention's split-KV form (kernels/paged_attention.py) with its threshold lowered so these short
+    requests cross it (rows from 128 positions on split: the plain family's 128-key tiles): outputs at
+    batch sizes 1, 7, 64 are those of eager synchronous steps, with graphs (the decode buckets' split
+    graphs, prefill graphs leaving split steps to the eager path) and overlap on."""
+    monkeypatch.setattr("deepinfer.kernels.paged_attention.SPLIT_FROM", 64)
+    sizes = (1, 7, 64)
+    ref_llm = _llm(model, enable_cuda_graphs=False, async_scheduling=False)
+    reference = {n: _outputs(ref_llm, n) for n in sizes}
+    del ref_llm
+    llm = _llm(model)
+    graphs = llm.engine.executor.graphs
+    assert graphs.split_from == 128, graphs.split_from
+    for n in sizes:
+        assert _outputs(llm, n) == reference[n], f"split-KV rows differ in graphs at batch {n}"
+    assert graphs._split_graphs and graphs._graphs, "both kinds of decode step should have run"

@@ -5,9 +5,11 @@ A row past the policy's threshold reduces its keys in several programs (kernels/
 kernels/split_combine.py. Checked here: agreement with paged_attention_ref for prefill, chunked, prefix-hit
 and decode rows in every tile family the engine runs (plain, DOT_SUM, PREFETCH, FP16_KV on e4m3); rows of
 one split keep the one-program form's bits exactly; the static decode plan (a CUDA graph's) gives the host
-plan's bits, also when the scratch budget cuts it into several launches; the default policy splits exactly
-from SPLIT_FROM on. That decode and prefill rows agree bit for bit needs the compiled kernels:
-tests/kernels/test_paged_attention_decode_gpu.py.
+plan's bits, also when the scratch budget cuts it into several launches; a decode step's one-token programs
+(one scalar split layout) give a row the bits of the per-row layout of a prefill program under the same
+tile config; the default policy splits exactly from SPLIT_FROM on. Decode and prefill rows under their own
+configs (different MMA shapes) are compared bit for bit on the GPU: tests/kernels/
+test_paged_attention_decode_gpu.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.split_plan import SplitPolicy, split_counts
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import filled_step, padded_decode_metadata, same_bits
+from tests.support.paged_batches import (
+    SeqStep,
+    build_metadata,
+    filled_step,
+    padded_decode_metadata,
+    same_bits,
+)
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -143,17 +151,20 @@ def test_scratch_budget_cuts_launches_without_changing_bits(pa, step, monkeypatc
     assert same_bits(cut, whole)
 
 
-@pytest.mark.parametrize("group,head_dim,dtype,kv_fp8", [
-    (7, 64, torch.bfloat16, False), (4, 128, torch.bfloat16, False), (4, 128, torch.bfloat16, True),
-    (7, 64, torch.bfloat16, True), (4, 16, torch.float32, False),
+@pytest.mark.parametrize("group,head_dim,dtype,kv_fp8,splits", [
+    (7, 64, torch.bfloat16, False, True), (1, 64, torch.float16, False, True),
+    (4, 16, torch.float32, False, True), (4, 128, torch.bfloat16, False, False),
+    (4, 128, torch.bfloat16, True, False), (7, 64, torch.bfloat16, True, False),
 ])
-def test_default_policy_splits_from_split_from_on(pa, group, head_dim, dtype, kv_fp8):
+def test_default_policy_splits_from_split_from_on_for_the_plain_family(pa, group, head_dim, dtype, kv_fp8,
+                                                                       splits):
     for decode in (False, True):
         cfg = pa.attention_tile_config(group, head_dim, dtype, kv_fp8=kv_fp8, decode=decode)
         pol = pa.attention_split_policy(cfg)
         at = np.array([pa.SPLIT_FROM - 1, pa.SPLIT_FROM, 64 * pa.SPLIT_FROM])
         counts = split_counts(at, cfg["BLOCK_N"], pol.min_tiles, pol.max_splits)
-        assert counts.tolist() == [1, 2, pa.MAX_SPLITS]
+        assert counts.tolist() == ([1, 2, pa.MAX_SPLITS] if splits else [1, 1, 1])
+        assert bool(cfg["DOT_SUM"]) != splits
 
 
 def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):
@@ -167,3 +178,27 @@ def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):
     meta = step["st"].meta
     assert pa._needs_split(meta, POLICY, BLOCK_N)              # host lengths: the 300-token row splits
     assert not pa._needs_split(meta, SplitPolicy(min_tiles=10, max_splits=3), BLOCK_N)
+
+
+@pytest.mark.parametrize("name", ["plain_decode", "dot_sum_one_warp"])
+def test_decode_rows_take_the_bits_of_the_same_rows_in_a_prefill(pa, name):
+    """A decode step's programs hold one token, so its split layout is one scalar and its loop the plain
+    one; a prefill program keeps a layout per row. Under one tile config (the interpreter's matmul is only
+    reproducible per shape) every decoded row equals its row of a full prefill, across split counts."""
+    cfg = CONFIGS[name]
+    gen = torch.Generator().manual_seed(8)
+    lens = [300, 170, 64]
+    st = filled_step([(n, n) for n in lens], BS, HKV, D, gen, table_seed=6)
+    q = torch.randn(st.meta.num_tokens, HQ, D, generator=gen)
+    full = pa.launch_paged_attention(q, st.k_cache, st.v_cache, st.meta, 0.3, None, None, cfg, split=POLICY)
+    tables = st.meta.block_tables.tolist()
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    probe = [(b, p) for b, n in enumerate(lens) for p in sorted({0, 31, 63, 64, 95, 96, 159, 160, n - 1})
+             if p < n]
+    meta = build_metadata([SeqStep(tables[b][: p // BS + 1], p + 1, 1) for b, p in probe], BS)
+    rows = torch.tensor([starts[b] + p for b, p in probe])
+    dec = pa.launch_paged_attention(q[rows].contiguous(), st.k_cache, st.v_cache, meta, 0.3, None, None, cfg,
+                                    split=POLICY)
+    counts = split_counts(np.array([p for _, p in probe]), BLOCK_N, POLICY.min_tiles, POLICY.max_splits)
+    assert set(counts.tolist()) == {1, 2, 3}
+    assert same_bits(dec, full[rows])
