@@ -6,9 +6,9 @@ of long rows in small and large batches, the prefill of long prompts, and the bi
 For each head shape (benchmarks/attn_variants.py's SHAPES) and cache (bf16, e4m3) it times, in CUDA graphs
 (20 calls per graph, median of 5 replays), the policies:
 - one_program: NO_SPLIT, the form every row took before split-KV;
-- default: `attention_split_policy` of the shape (the plain family splits from SPLIT_FROM, the DOT_SUM
-  families not at all);
-- from_1k / from_512: splits forced from 1,024 / 512 positions (at most 8), for the families the default
+- default: `attention_split_policy` of the shape (from SPLIT_FROM, except a 16-bit cache with 128-dim heads,
+  which does not split by default);
+- from_1k / from_512: splits forced from 1,024 / 512 positions (at most 8), for the family the default
   leaves alone and to see whether the 0.5B benchmark step (256 rows at ~640 positions, 512 programs) gains.
 Decode steps run the CUDA-graph form (the static decode plan; split_kv set as the runner sets it); prefill
 steps the host plan. `same_bits`: decode rows of 24 random-length sequences (up to 2,600 positions) equal

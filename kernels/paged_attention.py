@@ -82,22 +82,23 @@ _LOG2E = 1.4426950408889634
 # 164 -> 162, prefill 286 -> 232. A bf16 cache with 64-dim heads keeps the plain tiles (no gain measured).
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
-# (e4m3 cache, head_dim == 128) -> (BLOCK_N, decode stages, prefill warps, prefill rows, prefill stages)
+# (e4m3 cache, head_dim == 128) -> (BLOCK_N, decode stages, prefill warps, prefill rows, prefill stages,
+# split-KV by default: see SPLIT_FROM)
 _DOT_SUM_TILES = {
-    (True, True): (16, 4, 1, 32, 3),
-    (True, False): (32, 3, 2, 64, 3),
-    (False, True): (32, 3, 2, 64, 2),
+    (True, True): (16, 4, 1, 32, 3, 1),
+    (True, False): (32, 3, 2, 64, 3, 1),
+    (False, True): (32, 3, 2, 64, 2, 0),
 }
 _PLAN_ATTR = "_paged_attention_plans"
 # Split-KV (kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its keys in up to MAX_SPLITS
 # ranges of whole tiles, each its own program, merged by kernels/split_combine.py. Below it a row keeps the
 # one-program form and its bits (no benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it
 # buys is decode programs for long rows in small batches: a batch of 8 on a model with 2 kv heads is 16
-# programs on 132 SMs, each streaming its whole context alone. On by default for the plain tile family (16-bit
-# cache, heads below 128), whose split form compiles for sm_90 without spilling; the DOT_SUM families (an
-# e4m3 cache, 128-dim heads) split only when asked (`split=`): their one-warp decode tile spills inside the
-# key loop in the split form (benchmarks/RESULTS.md, 2026-12-04 19:40), so whether splitting pays there is a
-# measurement still to make (benchmarks/attn_split.py).
+# programs on 132 SMs, each streaming its whole context alone. On by default (the tile config's SPLIT) where
+# the split form compiled for sm_90 keeps its key loop free of spills; off for a 16-bit cache with 128-dim
+# heads (the 8B shape), whose one-warp decode tile spills inside that loop in the split form
+# (benchmarks/RESULTS.md, 2026-12-04 19:40): whether splitting pays there is a measurement still to make
+# (benchmarks/attn_split.py); `split=` asks for it.
 SPLIT_FROM = 1024
 MAX_SPLITS = 8
 
@@ -115,8 +116,8 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         # DOT_SUM families: one-warp decode programs (no barriers, no exchange between warps), prefill
         # programs of one or two warps; the row sums through the tensor core so the warps may differ;
         # mma.sync for all (at most two warps: wgmma needs whole warpgroups).
-        block_n, dec_stages, pre_warps, pre_m, pre_stages = tiles
-        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8),
+        block_n, dec_stages, pre_warps, pre_m, pre_stages, split = tiles
+        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split,
                "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
         if decode and rows <= DECODE_BLOCK_M:
             block_m = DECODE_BLOCK_M
@@ -131,22 +132,22 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         if decode and block_m == PREFILL_BLOCK_M:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
-        cfg = {"BLOCK_N": block_n, "num_stages": 2, "num_warps": 4, "PREFETCH": 0, "DOT_SUM": 0,
+        cfg = {"BLOCK_N": block_n, "num_stages": 2, "num_warps": 4, "PREFETCH": 0, "DOT_SUM": 0, "SPLIT": 1,
                "FP16_KV": 0, "V_CVT": 0}
     else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "FP16_KV": 0, "V_CVT": 0, "PREFETCH": 0,
-               "DOT_SUM": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "SPLIT": 1, "FP16_KV": 0, "V_CVT": 0,
+               "PREFETCH": 0, "DOT_SUM": 0}
     assert cfg["BLOCK_N"] % KV_CHUNK == 0
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
 def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
     """The split-KV layout of a tile config: rows at positions >= SPLIT_FROM split into ranges of at least
-    SPLIT_FROM // BLOCK_N tiles, at most MAX_SPLITS of them; NO_SPLIT for the DOT_SUM families (see
-    SPLIT_FROM). Decode and prefill configs of one shape share BLOCK_N and the family, so they share the
-    layout: a function of the model shape and the row's position only."""
-    if cfg.get("DOT_SUM", 0):
+    SPLIT_FROM // BLOCK_N tiles, at most MAX_SPLITS of them; NO_SPLIT where the config's SPLIT is 0 (see
+    SPLIT_FROM). Decode and prefill configs of one shape share BLOCK_N and SPLIT, so they share the layout:
+    a function of the model shape and the row's position only."""
+    if not cfg.get("SPLIT", 0):
         return NO_SPLIT
     return SplitPolicy(min_tiles=max(1, SPLIT_FROM // cfg["BLOCK_N"]), max_splits=MAX_SPLITS)
 

@@ -153,18 +153,18 @@ def test_scratch_budget_cuts_launches_without_changing_bits(pa, step, monkeypatc
 
 @pytest.mark.parametrize("group,head_dim,dtype,kv_fp8,splits", [
     (7, 64, torch.bfloat16, False, True), (1, 64, torch.float16, False, True),
-    (4, 16, torch.float32, False, True), (4, 128, torch.bfloat16, False, False),
-    (4, 128, torch.bfloat16, True, False), (7, 64, torch.bfloat16, True, False),
+    (4, 16, torch.float32, False, True), (4, 128, torch.bfloat16, True, True),
+    (7, 64, torch.bfloat16, True, True), (4, 128, torch.bfloat16, False, False),
 ])
-def test_default_policy_splits_from_split_from_on_for_the_plain_family(pa, group, head_dim, dtype, kv_fp8,
-                                                                       splits):
+def test_default_policy_splits_from_split_from_on_but_for_16_bit_128_dim_heads(pa, group, head_dim, dtype,
+                                                                               kv_fp8, splits):
     for decode in (False, True):
         cfg = pa.attention_tile_config(group, head_dim, dtype, kv_fp8=kv_fp8, decode=decode)
         pol = pa.attention_split_policy(cfg)
         at = np.array([pa.SPLIT_FROM - 1, pa.SPLIT_FROM, 64 * pa.SPLIT_FROM])
         counts = split_counts(at, cfg["BLOCK_N"], pol.min_tiles, pol.max_splits)
         assert counts.tolist() == ([1, 2, pa.MAX_SPLITS] if splits else [1, 1, 1])
-        assert bool(cfg["DOT_SUM"]) != splits
+        assert cfg["SPLIT"] == splits
 
 
 def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):

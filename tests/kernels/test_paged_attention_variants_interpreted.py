@@ -166,7 +166,7 @@ def test_decode_configs_keep_the_kv_tiles(pa):
                     dec = pa.attention_tile_config(group, d, dtype, kv_fp8=kv_fp8, decode=True)
                     assert pre["BLOCK_N"] == dec["BLOCK_N"] and pre["SWAP"] == dec["SWAP"]
                     assert pre["FP16_KV"] == dec["FP16_KV"] and pre["V_NAT"] == dec["V_NAT"]
-                    for key in ("V_CVT", "PREFETCH", "DOT_SUM"):
+                    for key in ("V_CVT", "PREFETCH", "DOT_SUM", "SPLIT"):
                         assert pre[key] == dec[key], key
                     for cfg in (pre, dec):
                         assert cfg["BLOCK_Q"] >= 1 and cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
