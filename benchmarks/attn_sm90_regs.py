@@ -61,8 +61,9 @@ def _compile(cfg: dict, group: int, head_dim: int, kv_fp8: bool, decode: bool, s
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, typ) in enumerate(args)
                if typ.startswith("*") or name in _INTS}
     src = ASTSource(fn=paged_attention_kernel, signature=sig, constexprs=const, attrs=aligned)
+    stages = cfg.get("SPLIT_DECODE_STAGES", cfg["num_stages"]) if split and decode else cfg["num_stages"]
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                          options={"num_warps": cfg["num_warps"], "num_stages": stages})
 
 
 def _usage(cubin: bytes) -> dict:
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen0.5b,llama8b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--caches", default="bf16,e4m3")
+    ap.add_argument("--steps", default="decode,prefill")
     args = ap.parse_args(argv)
     import triton
 
@@ -101,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         sh = SHAPES[name]
-        for kv_fp8 in (False, True):
-            for decode in (True, False):
+        for kv_fp8 in [c == "e4m3" for c in args.caches.split(",")]:
+            for decode in [s == "decode" for s in args.steps.split(",")]:
                 cfg = attention_tile_config(sh.group, sh.d, torch.bfloat16, kv_fp8=kv_fp8, decode=decode)
                 for split in (False, True):
                     try:

@@ -38,7 +38,7 @@ import triton.language as tl
 from deepinfer.kernels._checks import check_tensor, is_power_of_two, num_sms
 from deepinfer.kernels.mla_proj import head_proj
 from deepinfer.kernels.reference.mla_decode import check_mla_decode_args
-from deepinfer.kernels.split_combine import SplitLauncher
+from deepinfer.kernels.split_combine import SplitLauncher, split_layout
 from deepinfer.kernels.split_plan import DETERMINISTIC_SPLITS, NO_SPLIT, SplitPolicy
 
 if TYPE_CHECKING:
@@ -100,10 +100,8 @@ def _mla_split_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (q_start + tok < q_end) & (head < num_heads)
     t = (q_start + tok).to(tl.int64)
     q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
-    # The row's split layout, from its own position only (kept in step with reference.split_counts).
-    n_tiles = q_pos // BLOCK_N + 1
-    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
-    n_splits = (n_tiles + per_split - 1) // per_split
+    # The row's split layout, from its own position only.
+    n_tiles, per_split, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
     active = row_ok & (split < n_splits)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_tiles)

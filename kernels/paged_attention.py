@@ -83,11 +83,12 @@ _LOG2E = 1.4426950408889634
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 # (e4m3 cache, head_dim == 128) -> (BLOCK_N, decode stages, prefill warps, prefill rows, prefill stages,
-# split-KV by default: see SPLIT_FROM)
+# split-KV by default (see SPLIT_FROM), stages of the split form's decode programs)
 _DOT_SUM_TILES = {
-    (True, True): (16, 4, 1, 32, 3, 1),
-    (True, False): (32, 3, 2, 64, 3, 1),
-    (False, True): (32, 3, 2, 64, 2, 0),
+    (True, True): (16, 4, 1, 32, 3, 1, 4),
+    (True, False): (32, 3, 2, 64, 3, 1, 3),
+    # 2 stages: at 3 the split form's one-warp decode tile spills inside its key loop (Triton 3.6)
+    (False, True): (32, 3, 2, 64, 2, 0, 2),
 }
 _PLAN_ATTR = "_paged_attention_plans"
 # Split-KV (kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its keys in up to MAX_SPLITS
@@ -96,9 +97,9 @@ _PLAN_ATTR = "_paged_attention_plans"
 # buys is decode programs for long rows in small batches: a batch of 8 on a model with 2 kv heads is 16
 # programs on 132 SMs, each streaming its whole context alone. On by default (the tile config's SPLIT) where
 # the split form compiled for sm_90 keeps its key loop free of spills; off for a 16-bit cache with 128-dim
-# heads (the 8B shape), whose one-warp decode tile spills inside that loop in the split form
-# (benchmarks/RESULTS.md, 2026-12-04 19:40): whether splitting pays there is a measurement still to make
-# (benchmarks/attn_split.py); `split=` asks for it.
+# heads (the 8B shape), whose one-warp decode tile spills inside that loop at its 3 stages in the split form
+# and not at 2 (benchmarks/RESULTS.md, 2026-12-04 19:20): whether splitting pays there at 2 stages is a
+# measurement still to make (benchmarks/attn_split.py); `split=` asks for it.
 SPLIT_FROM = 1024
 MAX_SPLITS = 8
 
@@ -116,8 +117,9 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         # DOT_SUM families: one-warp decode programs (no barriers, no exchange between warps), prefill
         # programs of one or two warps; the row sums through the tensor core so the warps may differ;
         # mma.sync for all (at most two warps: wgmma needs whole warpgroups).
-        block_n, dec_stages, pre_warps, pre_m, pre_stages, split = tiles
+        block_n, dec_stages, pre_warps, pre_m, pre_stages, split, split_stages = tiles
         cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split,
+               "SPLIT_DECODE_STAGES": split_stages,
                "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
         if decode and rows <= DECODE_BLOCK_M:
             block_m = DECODE_BLOCK_M
@@ -283,7 +285,11 @@ class _SplitLaunch(SplitLauncher):
 
     def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
                soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
+        one_token = self.meta.max_query_len == 1
+        cfg = self.cfg
+        if one_token and "SPLIT_DECODE_STAGES" in cfg:   # data movement only: the same bits
+            cfg = dict(cfg, num_stages=cfg["SPLIT_DECODE_STAGES"])
         _launch(grid, self.q, self.k_cache, self.v_cache, self.meta, self.scale, self.k_scale, self.v_scale,
-                self.cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
+                cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
                 num_heads=self.num_heads, MIN_TILES=self.policy.min_tiles, MAX_SPLITS=self.policy.max_splits,
-                FIXED_SLOTS=fixed_slots, ONE_TOKEN=self.meta.max_query_len == 1)
+                FIXED_SLOTS=fixed_slots, ONE_TOKEN=one_token)

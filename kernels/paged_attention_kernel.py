@@ -49,6 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from deepinfer.kernels.pdl import wait_for_producers
+from deepinfer.kernels.split_combine import split_layout
 
 
 @triton.jit
@@ -186,9 +187,7 @@ def paged_attention_kernel(
         tl.static_assert(not SWAP, "the split form runs the untransposed tile")
         split = tl.program_id(2)
         last_pos = tl.max(q_pos, axis=0)
-        n_tiles = last_pos // BLOCK_N + 1
-        per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
-        n_splits = (n_tiles + per_split - 1) // per_split
+        n_tiles, per_split, n_splits = split_layout(last_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
         lo_pos = 0
         tile_lo = split * per_split
         num_tiles = tl.minimum(tile_lo + per_split, n_tiles)     # empty past the token's last split
@@ -197,9 +196,7 @@ def paged_attention_kernel(
         # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
         tl.static_assert(not SWAP, "the split form runs the untransposed tile")
         split = tl.program_id(2)
-        n_tiles = q_pos // BLOCK_N + 1
-        per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
-        n_splits = (n_tiles + per_split - 1) // per_split
+        n_tiles, per_split, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
         active = row_ok & (split < n_splits)
         lo = split * per_split
         hi = tl.minimum(lo + per_split, n_tiles)

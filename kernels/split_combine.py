@@ -28,6 +28,15 @@ if TYPE_CHECKING:
 SCRATCH_BUDGET_BYTES = 256 << 20
 
 
+@triton.jit
+def split_layout(pos, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(key tiles, tiles per split, splits) of the row at position `pos` (a scalar or one per row):
+    kernels/split_plan.split_counts, the one layout every split kernel and the combine follow."""
+    n_tiles = pos // BLOCK_N + 1
+    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
+    return n_tiles, per_split, (n_tiles + per_split - 1) // per_split
+
+
 @triton.jit(do_not_specialize=["slot_base", "num_heads"])
 def split_combine_kernel(
     out_ptr, part_ptr, ml_ptr, tok_ptr, pos_ptr, soff_ptr, v_scale_ptr,
@@ -47,10 +56,7 @@ def split_combine_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
     q_pos = tl.load(pos_ptr + t).to(tl.int32)
-    # The row's split count, from its position only (split_plan.split_counts).
-    n_tiles = q_pos // BLOCK_N + 1
-    per_split = tl.maximum((n_tiles + MAX_SPLITS - 1) // MAX_SPLITS, MIN_TILES)
-    n_splits = (n_tiles + per_split - 1) // per_split
+    _, _, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)   # from its position only
     if FIXED_SLOTS:
         if n_splits == 1:
             return   # the split kernel stored this row's output itself; it left no partials

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
-from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.split_plan import SplitPolicy, split_counts
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
 from tests.support.paged_batches import (
     SeqStep,
     build_metadata,
+    e4m3_copy,
     filled_step,
     padded_decode_metadata,
     same_bits,
@@ -49,10 +49,8 @@ def pa():
 def step():
     gen = torch.Generator().manual_seed(21)
     st = filled_step(LENS, BS, HKV, D, gen, table_seed=4, key_scale=3)
-    k8 = torch.full_like(st.k_cache, float("nan")).to(torch.float8_e4m3fn)
-    v8 = k8.clone()
     ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
-    store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, ks, vs)
+    k8, v8 = e4m3_copy(st, ks, vs)
     q = (torch.randn(st.meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
     return dict(st=st, q=q, k8=k8, v8=v8, ks=ks, vs=vs)
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
-from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import filled_step
+from tests.support.paged_batches import e4m3_copy, filled_step
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -36,10 +35,8 @@ def caches():
     gen = torch.Generator().manual_seed(11)
     st = filled_step(LENS, BS, HKV, D, gen, table_seed=3, key_scale=3)
     meta, kf, vf = st.meta, st.k_cache, st.v_cache
-    k8 = torch.full_like(kf, float("nan")).to(torch.float8_e4m3fn)
-    v8 = k8.clone()
     ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
-    store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, ks, vs)
+    k8, v8 = e4m3_copy(st, ks, vs)
     q = (torch.randn(meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
     return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
 

@@ -171,3 +171,15 @@ def host_step_of(meta: AttentionMetadata):
     host = {k: getattr(meta, k).cpu().numpy() for k in ("positions", "slot_mapping", "block_tables")}
     return HostStep(np.zeros(meta.num_tokens, dtype=np.int64), host["positions"], host["slot_mapping"],
                     list(meta.query_lens_cpu), list(meta.seq_lens_cpu), host["block_tables"], [])
+
+
+def e4m3_copy(st: FilledStep, k_scale: torch.Tensor,
+              v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 cache pair (NaN where nothing was stored) holding `st`'s keys/values quantized per kv head by
+    the reference store (kernels/reference/kv_fp8.py)."""
+    from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
+
+    k8 = torch.full_like(st.k_cache, float("nan")).to(torch.float8_e4m3fn)
+    v8 = k8.clone()
+    store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, k_scale, v_scale)
+    return k8, v8
