@@ -188,9 +188,11 @@ def paged_attention_kernel(
         split = tl.program_id(2)
         last_pos = tl.max(q_pos, axis=0)
         n_tiles, per_split, n_splits = split_layout(last_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
+        if split >= n_splits:
+            return   # past the token's last split (the static plan launches MAX_SPLITS per token)
         lo_pos = 0
         tile_lo = split * per_split
-        num_tiles = tl.minimum(tile_lo + per_split, n_tiles)     # empty past the token's last split
+        num_tiles = tl.minimum(tile_lo + per_split, n_tiles)
     elif MAX_SPLITS > 0:
         # Split form (module docstring of kernels/split_plan.py): this program reduces split
         # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
@@ -303,16 +305,15 @@ def paged_attention_kernel(
             l_i = tl.max(l_i, axis=1)    # every column holds the sum: max is exact and order-free
         if MAX_SPLITS > 0 and ONE_TOKEN:
             # The token's split count decides for all rows: a scalar branch keeps one store live at a time.
-            if split < n_splits:
-                if n_splits == 1:
-                    out = acc / l_i[:, None]
-                    if KV_FP8:
-                        out = out * tl.load(v_scale_ptr + kv_head)
-                    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-                else:
-                    _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc,
-                                   m_i, l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
+            if n_splits == 1:
+                out = acc / l_i[:, None]
+                if KV_FP8:
+                    out = out * tl.load(v_scale_ptr + kv_head)
+                tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            else:
+                _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i,
+                               l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
         elif MAX_SPLITS > 0:
             # A one-split row normalises and stores as the unsplit form does; the others leave their
             # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
