@@ -60,6 +60,7 @@ class GraphStats:
     """What capture cost and how often graphs ran (LLM.get_stats reports these)."""
 
     buckets: list[int] = field(default_factory=list)   # captured batch sizes, ascending
+    split_buckets: list[int] = field(default_factory=list)   # decode buckets with a split-KV graph too
     capture_seconds: float = 0.0                       # warm-up + capture of every bucket
     memory_bytes: int = 0                              # device memory the graphs took (pool + executables)
     replays: int = 0                                   # decode steps run by a graph
@@ -154,6 +155,7 @@ class DecodeGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             graphs[b] = capture_measured(self.stats, lambda: self._forward(b, meta), self._pool, self.device)
         self.stats.buckets = sorted(self._graphs)
+        self.stats.split_buckets = sorted(self._split_graphs)
         self.stats.capture_seconds += time.perf_counter() - t0
         logger.info("captured the CUDA graph of decode batch size %d%s on first use (%.2f s)", b,
                     " (rows with split keys)" if split_kv else "", time.perf_counter() - t0)

@@ -203,6 +203,7 @@ class StepExecutor:
             "graph_steps": self.graph_steps,
             "cuda_graphs_enabled": g is not None,
             "cuda_graph_buckets": list(g.buckets) if g else [],
+            "cuda_graph_split_buckets": list(g.split_buckets) if g else [],
             "cuda_graph_capture_s": g.capture_seconds if g else 0.0,
             "cuda_graph_memory_bytes": g.memory_bytes if g else 0,
             "cuda_graph_padded_rows": g.padded_rows if g else 0,

@@ -171,4 +171,5 @@ def test_split_kv_rows_keep_their_bits_in_graphs_and_batches(model, monkeypatch)
     assert graphs.split_from == 128, graphs.split_from
     for n in sizes:
         assert _outputs(llm, n) == reference[n], f"split-KV rows differ in graphs at batch {n}"
-    assert graphs._split_graphs and graphs._graphs, "both kinds of decode step should have run"
+    stats = llm.get_stats()
+    assert stats["cuda_graph_split_buckets"] and stats["graph_steps"] > 0, stats

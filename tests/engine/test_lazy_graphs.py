@@ -115,8 +115,9 @@ def test_steps_with_rows_past_the_split_threshold_replay_split_graphs(model_dir)
     for overlap in (True, False):
         llm.engine.async_scheduling = overlap
         assert _view(llm.generate(prompts, params, use_tqdm=False)) == eager
-    assert graphs._graphs and graphs._split_graphs, (graphs._graphs, graphs._split_graphs)
-    b = next(iter(graphs._split_graphs))
+    stats = llm.get_stats()
+    assert stats["cuda_graph_buckets"] and stats["cuda_graph_split_buckets"], stats
+    b = stats["cuda_graph_split_buckets"][0]
     assert graphs._meta(b, True).split_kv and not graphs._meta(b).split_kv
 
 
