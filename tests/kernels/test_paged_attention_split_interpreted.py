@@ -24,8 +24,8 @@ from tests.support.interpreted import interpreted_kernels, skip_unless_interpret
 from tests.support.paged_batches import (
     SeqStep,
     build_metadata,
-    e4m3_copy,
     filled_step,
+    float32_and_e4m3_step,
     padded_decode_metadata,
     same_bits,
 )
@@ -47,12 +47,7 @@ def pa():
 
 @pytest.fixture(scope="module")
 def step():
-    gen = torch.Generator().manual_seed(21)
-    st = filled_step(LENS, BS, HKV, D, gen, table_seed=4, key_scale=3)
-    ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
-    k8, v8 = e4m3_copy(st, ks, vs)
-    q = (torch.randn(st.meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
-    return dict(st=st, q=q, k8=k8, v8=v8, ks=ks, vs=vs)
+    return float32_and_e4m3_step(LENS, BS, HQ, HKV, D, seed=21, table_seed=4)
 
 
 def _cfg(block_m: int, dot_sum: int = 0, prefetch: int = 0, fp16_kv: int = 0, vcvt: int = 0, warps: int = 4,

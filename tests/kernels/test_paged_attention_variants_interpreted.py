@@ -16,7 +16,7 @@ import torch
 from deepinfer.kernels.reference.attention import paged_attention_ref
 
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
-from tests.support.paged_batches import e4m3_copy, filled_step
+from tests.support.paged_batches import float32_and_e4m3_step
 
 skip_unless_interpreting("tests/kernels/test_paged_attention_variants_cpu.py")
 
@@ -32,13 +32,9 @@ def pa():
 @pytest.fixture(scope="module")
 def caches():
     """A NaN-filled float32 cache and an e4m3 cache holding the same keys/values, the step's metadata."""
-    gen = torch.Generator().manual_seed(11)
-    st = filled_step(LENS, BS, HKV, D, gen, table_seed=3, key_scale=3)
-    meta, kf, vf = st.meta, st.k_cache, st.v_cache
-    ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
-    k8, v8 = e4m3_copy(st, ks, vs)
-    q = (torch.randn(meta.num_tokens, HQ, D, generator=gen) * 2).to(torch.bfloat16).float()
-    return dict(meta=meta, q=q, kf=kf, vf=vf, k8=k8, v8=v8, ks=ks, vs=vs)
+    c = float32_and_e4m3_step(LENS, BS, HQ, HKV, D, seed=11, table_seed=3)
+    st = c.pop("st")
+    return dict(c, meta=st.meta, kf=st.k_cache, vf=st.v_cache)
 
 
 def _cfg(block_m: int, swap: int, fp16_kv: int = 0, vnat: int = 0, vcvt: int = 0,

@@ -183,3 +183,18 @@ def e4m3_copy(st: FilledStep, k_scale: torch.Tensor,
     v8 = k8.clone()
     store_kv_fp8_ref(st.k, st.v, k8, v8, st.fill.slot_mapping, k_scale, v_scale)
     return k8, v8
+
+
+def float32_and_e4m3_step(lens: Sequence[tuple[int, int]], block_size: int, num_q_heads: int,
+                          num_kv_heads: int, head_dim: int, seed: int, table_seed: int) -> dict:
+    """A `filled_step` (keys x3) with an e4m3 copy of its cache (k/v scales 0.05, 0.3 / 0.01, 0.02 for two kv
+    heads, else 0.05 / 0.01) and bf16-representable float32 q ([T, Hq, D], x2): st, q, k8, v8, ks, vs."""
+    gen = torch.Generator().manual_seed(seed)
+    st = filled_step(lens, block_size, num_kv_heads, head_dim, gen, table_seed=table_seed, key_scale=3)
+    if num_kv_heads == 2:
+        ks, vs = torch.tensor([0.05, 0.3]), torch.tensor([0.01, 0.02])
+    else:
+        ks, vs = torch.full((num_kv_heads,), 0.05), torch.full((num_kv_heads,), 0.01)
+    k8, v8 = e4m3_copy(st, ks, vs)
+    q = (torch.randn(st.meta.num_tokens, num_q_heads, head_dim, generator=gen) * 2).to(torch.bfloat16).float()
+    return dict(st=st, q=q, k8=k8, v8=v8, ks=ks, vs=vs)
