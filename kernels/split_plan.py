@@ -124,11 +124,16 @@ def get_host_plan(meta: AttentionMetadata, block_q: int, block_n: int, policy: S
                   budget: int, device: torch.device) -> HostPlan:
     """The step's host plan, cached on `meta` while its host lengths are unchanged (one build per step)."""
 
+    def dev(a: np.ndarray) -> torch.Tensor:
+        # From pinned memory without blocking, so building a step's plan never waits for the device to
+        # catch up (the overlapped loop builds it while the step before runs).
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
     def build(q_lens: list[int], s_lens: list[int]) -> HostPlan:
         plan, soff, multi, groups = build_host_plan(q_lens, s_lens, block_q, block_n, policy, slot_bytes,
                                                     budget)
-        return HostPlan(torch.from_numpy(plan.astype(np.int32)).to(device), torch.from_numpy(soff).to(device),
-                        torch.from_numpy(multi.astype(np.int32)).to(device), groups,
+        return HostPlan(dev(plan.astype(np.int32)), dev(soff), dev(multi.astype(np.int32)), groups,
                         max((g.num_slots for g in groups), default=0))
 
     key = (block_q, block_n, policy, slot_bytes, budget, str(device))
