@@ -234,3 +234,37 @@ def test_cuda_ops_run_a_tiny_llama_with_split_rows_like_transformers(pa, tmp_pat
     torch.testing.assert_close(torch.cat([first["a"], second["a"], third["a"]]), ref_a, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.cat([first["b"], third["b"]]), ref_b, atol=1e-4, rtol=0)
     assert len(split_steps) == 3 * cfg.num_hidden_layers   # every step had split rows, in every layer
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_policies_and_schedules_give_a_row_one_result(pa, seed):
+    """Random split policies, sequence lengths and chunkings under one tile config: every row computed in a
+    full prefill, in a chunk with a random start and as a decode step has the same bits, close to the
+    reference."""
+    import random
+
+    rng = random.Random(seed)
+    policy = SplitPolicy(min_tiles=rng.randint(1, 3), max_splits=rng.randint(2, 5))
+    lens = [rng.randint(1, 200) for _ in range(3)] + [rng.randint(100, 200)]
+    cfg = CONFIGS["plain_decode"]
+    gen = torch.Generator().manual_seed(seed)
+    st = filled_step([(n, n) for n in lens], BS, HKV, D, gen, table_seed=seed)
+    q = torch.randn(st.meta.num_tokens, HQ, D, generator=gen)
+    tables = st.meta.block_tables.tolist()
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+
+    def run(rows):   # rows: (seq, first new position, context after the step)
+        meta = build_metadata([SeqStep(tables[b][: -(-ctx // BS)], ctx, ctx - lo) for b, lo, ctx in rows], BS)
+        idx = torch.cat([torch.arange(starts[b] + lo, starts[b] + ctx) for b, lo, ctx in rows])
+        return pa.launch_paged_attention(q[idx].contiguous(), st.k_cache, st.v_cache, meta, 0.3, None, None,
+                                         cfg, split=policy), idx
+
+    full, _ = run([(b, 0, n) for b, n in enumerate(lens)])
+    torch.testing.assert_close(full, paged_attention_ref(q, st.k_cache, st.v_cache, st.meta, 0.3), atol=2e-5,
+                               rtol=2e-5)
+    chunks, idx = run([(b, rng.randrange(n), n) for b, n in enumerate(lens)])
+    assert same_bits(chunks, full[idx])
+    probe = [(b, rng.randrange(n)) for b, n in enumerate(lens) for _ in range(4)] + [(3, lens[3] - 1)]
+    dec, idx = run([(b, p, p + 1) for b, p in probe])
+    assert same_bits(dec, full[idx])
+    assert split_counts(np.array([lens[3] - 1]), BLOCK_N, policy.min_tiles, policy.max_splits)[0] > 1
