@@ -173,31 +173,9 @@ def test_mla_decode_rejects_mixed_dtypes(mla):
 def test_cuda_ops_run_a_tiny_deepseek_v3_like_transformers(tmp_path):
     """The CUDA backend's DeepSeek path (store_mla, head_proj, mla_decode, fused_moe and the other Triton
     kernels) on the interpreter, float32: a prefill chunk, the rest of the prompt, a decode step."""
-    from deepinfer.engine.layers.cuda_ops import CudaInvariantOps
-    from deepinfer.engine.models.config import ModelConfig
-    from deepinfer.engine.models.loader import iter_weights
-    from deepinfer.engine.models.registry import build_model
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.paged_runner import PagedBatchRunner
+    from tests.support.paged_runner import check_cuda_ops_against_transformers
     from tests.support.tiny_deepseek import make_tiny_deepseek
 
     path = make_tiny_deepseek("v3", tmp_path / "v3")
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, CudaInvariantOps(), torch.float32, "cpu")
-    model.load_weights(iter_weights(path, "cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    a, b = [5 + i for i in range(14)], [40 + 3 * i for i in range(6)]
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", a)
-    runner.add("b", b)
-    first = runner.step([("a", 9), ("b", 6)])
-    second = runner.step([("a", 5)])
-    runner.append("a", 7)
-    runner.append("b", 8)
-    third = runner.step([("b", 1), ("a", 1)])
-    with torch.no_grad():
-        ref_a = hf(torch.tensor([a + [7]])).logits[0]
-        ref_b = hf(torch.tensor([b + [8]])).logits[0]
-    torch.testing.assert_close(torch.cat([first["a"], second["a"], third["a"]]), ref_a, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.cat([first["b"], third["b"]]), ref_b, atol=1e-4, rtol=0)
+    check_cuda_ops_against_transformers(path, [5 + i for i in range(14)], [40 + 3 * i for i in range(6)],
+                                        first=9)

@@ -200,14 +200,8 @@ def test_decode_rows_take_the_bits_of_the_same_rows_in_a_prefill(pa, name):
 def test_cuda_ops_run_a_tiny_llama_with_split_rows_like_transformers(pa, tmp_path, monkeypatch):
     """The CUDA backend's dense path (rotary + KV store, paged attention in its split form, the combine) on
     the interpreter, float32, with the split threshold at 32 positions: a prefill chunk, the rest of the
-    prompt, then decode steps, every row past position 32 in 2-4 splits; logits match transformers."""
-    from deepinfer.engine.layers.cuda_ops import CudaInvariantOps
-    from deepinfer.engine.models.config import ModelConfig
-    from deepinfer.engine.models.loader import iter_weights
-    from deepinfer.engine.models.registry import build_model
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.paged_runner import PagedBatchRunner
+    prompt, then a decode step, every row past position 32 in 2-4 splits; logits match transformers."""
+    from tests.support.paged_runner import check_cuda_ops_against_transformers
     from tests.support.tiny_models import make_tiny_checkpoint
 
     monkeypatch.setattr("deepinfer.kernels.paged_attention.SPLIT_FROM", 32)
@@ -215,24 +209,8 @@ def test_cuda_ops_run_a_tiny_llama_with_split_rows_like_transformers(pa, tmp_pat
     planned = pa._SplitLaunch.host_planned
     monkeypatch.setattr(pa._SplitLaunch, "host_planned", lambda self: split_steps.append(1) or planned(self))
     path = make_tiny_checkpoint("llama", tmp_path / "llama")
-    cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, CudaInvariantOps(), torch.float32, "cpu")
-    model.load_weights(iter_weights(path, "cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a, b = [5 + (7 * i) % 200 for i in range(90)], [40 + 3 * i for i in range(20)]
-    runner = PagedBatchRunner(model, cfg)
-    runner.add("a", a)
-    runner.add("b", b)
-    first = runner.step([("a", 50), ("b", 20)])
-    second = runner.step([("a", 40)])
-    runner.append("a", 7)
-    runner.append("b", 8)
-    third = runner.step([("b", 1), ("a", 1)])
-    with torch.no_grad():
-        ref_a = hf(torch.tensor([a + [7]])).logits[0]
-        ref_b = hf(torch.tensor([b + [8]])).logits[0]
-    torch.testing.assert_close(torch.cat([first["a"], second["a"], third["a"]]), ref_a, atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.cat([first["b"], third["b"]]), ref_b, atol=1e-4, rtol=0)
+    cfg = check_cuda_ops_against_transformers(path, a, b, first=50)
     assert len(split_steps) == 3 * cfg.num_hidden_layers   # every step had split rows, in every layer
 
 

@@ -116,3 +116,32 @@ def prefill_rel_error(model, reference, cfg: ModelConfig, ids: list[int]
         logits.append(runner.step([("a", len(ids))])["a"])
     got, want = logits
     return got, (got - want).abs().amax(dim=1) / want.abs().max()
+
+
+def check_cuda_ops_against_transformers(path, a: list[int], b: list[int], first: int) -> ModelConfig:
+    """The checkpoint at `path` built on the CUDA backend's ops (`CudaInvariantOps`, float32 on the CPU:
+    the Triton kernels under the interpreter) runs the first `first` tokens of prompt `a` beside all of `b`,
+    then the rest of `a`, then one decode step of each; every step's logits match transformers' (1e-4).
+    Returns the model config."""
+    from deepinfer.engine.layers.cuda_ops import CudaInvariantOps
+    from deepinfer.engine.models.loader import iter_weights
+    from deepinfer.engine.models.registry import build_model
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig.from_dir(path)
+    model = build_model(cfg, CudaInvariantOps(), torch.float32, "cpu")
+    model.load_weights(iter_weights(path, "cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = PagedBatchRunner(model, cfg)
+    runner.add("a", a)
+    runner.add("b", b)
+    steps = [runner.step([("a", first), ("b", len(b))]), runner.step([("a", len(a) - first)])]
+    runner.append("a", 7)
+    runner.append("b", 8)
+    steps.append(runner.step([("b", 1), ("a", 1)]))
+    with torch.no_grad():
+        for key, prompt, nxt in (("a", a, 7), ("b", b, 8)):
+            ref = hf(torch.tensor([prompt + [nxt]])).logits[0]
+            got = torch.cat([s[key] for s in steps if key in s])
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    return cfg
