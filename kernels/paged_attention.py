@@ -159,13 +159,14 @@ def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> 
     placeholders: its capture decided (meta.split_kv); a CUDA-graph prefill step never splits (its runner
     sends steps with long rows down the eager path); otherwise the longest row decides (split counts grow
     with the position)."""
-    if policy.max_splits <= 1:
+    first = policy.split_from(block_n)
+    if first is None:
         return False
     if meta.decode_plan is not None and meta.max_query_len == 1:
         return meta.split_kv
     if meta.prefill_plan is not None and meta.max_query_len > 1:
         return False
-    return max(meta.seq_lens_cpu, default=0) - 1 >= policy.min_tiles * block_n
+    return max(meta.seq_lens_cpu, default=0) - 1 >= first
 
 
 def _plan_tensor(meta: AttentionMetadata, block_q: int, device: torch.device) -> torch.Tensor:

@@ -49,6 +49,11 @@ class SplitPolicy:
             raise ValueError(f"SplitPolicy({self.min_tiles}, {self.max_splits}): min_tiles and max_splits "
                              "must be >= 1")
 
+    def split_from(self, block_n: int) -> int | None:
+        """The first position whose row takes more than one split with key tiles of `block_n` (split counts
+        grow with the position: `split_counts`); None when no row ever does."""
+        return self.min_tiles * block_n if self.max_splits > 1 else None
+
 
 # MLA's deterministic mode: rows below 16 tiles (512 positions at BLOCK_N=32) take one split; longer ones up
 # to 4. (Paged attention's policies: kernels/paged_attention.py, attention_split_policy.)

@@ -328,18 +328,25 @@ def make_decode_graphs(model: torch.nn.Module, kv_caches: list, block_size: int,
     return graphs
 
 
+def attention_tiles(model: torch.nn.Module, kv_caches: list, decode: bool) -> dict[str, int]:
+    """The paged-attention kernel's tile config for this dense model and cache (kernels/paged_attention.py,
+    attention_tile_config; CUDA only)."""
+    from deepinfer.kernels.paged_attention import attention_tile_config
+
+    cfg = model.config
+    kv_fp8 = kv_caches[0][0].dtype == torch.float8_e4m3fn
+    return attention_tile_config(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim,
+                                 model.dtype, kv_fp8=kv_fp8, decode=decode)
+
+
 def attention_split_from(model: torch.nn.Module, kv_caches: list) -> int | None:
     """The first position at which this model's paged attention splits a row's keys
     (kernels/paged_attention.py, attention_split_policy); None for models that do not run it (DeepSeek's
     MLA and V4 attention plan their own splits)."""
     from deepinfer.engine.models.decoder import CausalLM
-    from deepinfer.kernels.paged_attention import attention_split_policy, attention_tile_config
+    from deepinfer.kernels.paged_attention import attention_split_policy
 
     if type(model) is not CausalLM:
         return None
-    cfg = model.config
-    kv_fp8 = kv_caches[0][0].dtype == torch.float8_e4m3fn
-    tiles = attention_tile_config(cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim,
-                                  model.dtype, kv_fp8=kv_fp8, decode=True)
-    policy = attention_split_policy(tiles)
-    return policy.min_tiles * tiles["BLOCK_N"] if policy.max_splits > 1 else None
+    tiles = attention_tiles(model, kv_caches, decode=True)
+    return attention_split_policy(tiles).split_from(tiles["BLOCK_N"])

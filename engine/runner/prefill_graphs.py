@@ -27,6 +27,7 @@ from deepinfer.engine.runner.cuda_graphs import (
     EagerReplay,
     GraphStats,
     attention_split_from,
+    attention_tiles,
     capture_measured,
     env_flag,
     graphs_supported,
@@ -136,13 +137,7 @@ class PrefillGraphs:
 
 def prefill_block_q(model: torch.nn.Module, kv_caches: list) -> int:
     """BLOCK_Q of the paged-attention kernel's prefill tiles for this model and cache (CUDA only)."""
-    from deepinfer.kernels.paged_attention import attention_tile_config
-
-    cfg = model.config
-    k_cache = kv_caches[0][0]
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
-    return attention_tile_config(group, cfg.head_dim, model.dtype, kv_fp8=kv_fp8, decode=False)["BLOCK_Q"]
+    return attention_tiles(model, kv_caches, decode=False)["BLOCK_Q"]
 
 
 def make_prefill_graphs(model: torch.nn.Module, kv_caches: list, block_size: int, max_model_len: int,

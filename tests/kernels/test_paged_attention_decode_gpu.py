@@ -89,7 +89,8 @@ def _step(s, rows, decode_plan=False, split=None):
         cfg = attention_tile_config(qs.shape[1] // s["kc"].shape[2], qs.shape[2], qs.dtype,
                                     kv_fp8=s["ks"] is not None, decode=True)
         pol = split or attention_split_policy(cfg)
-        meta.split_kv = max(ctx for _, _, ctx in rows) - 1 >= pol.min_tiles * cfg["BLOCK_N"]
+        first = pol.split_from(cfg["BLOCK_N"])
+        meta.split_kv = first is not None and max(ctx for _, _, ctx in rows) - 1 >= first
     out = paged_attention(qs, s["kc"], s["vc"], meta, s["scale"], s["ks"], s["vs"], split=split)
     return out, meta, qs
 

@@ -157,6 +157,7 @@ def test_default_policy_splits_from_split_from_on_but_for_16_bit_128_dim_heads(p
         at = np.array([pa.SPLIT_FROM - 1, pa.SPLIT_FROM, 64 * pa.SPLIT_FROM])
         counts = split_counts(at, cfg["BLOCK_N"], pol.min_tiles, pol.max_splits)
         assert counts.tolist() == ([1, 2, pa.MAX_SPLITS] if splits else [1, 1, 1])
+        assert pol.split_from(cfg["BLOCK_N"]) == (pa.SPLIT_FROM if splits else None)
         assert cfg["SPLIT"] == splits
 
 
