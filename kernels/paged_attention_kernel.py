@@ -132,6 +132,16 @@ def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE
 
 
 @triton.jit
+def _store_out(out_ptr, out, t, head, d, stride_ot, stride_oh, rows, v_scale_ptr, kv_head,
+               KV_FP8: tl.constexpr):
+    """The normalised output of `rows` (an e4m3 cache's value scale applied) in out's dtype."""
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+@triton.jit
 def _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i, rows,
                    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, FIXED_SLOTS: tl.constexpr):
     """A split's state (acc, max, sum) of `rows` at their scratch slots (kernels/split_combine.py). The
@@ -165,6 +175,7 @@ def paged_attention_kernel(
     ONE_TOKEN: tl.constexpr = False,
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
+    TOKEN_SPLITS: tl.constexpr = MAX_SPLITS > 0 and ONE_TOKEN       # one split layout per program (decode)
     ROW_SPLITS: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN   # a split layout per row (prefill)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,7 +191,7 @@ def paged_attention_kernel(
     t = (q_start + tok).to(tl.int64)
     # Padding rows take position 0: finite arithmetic, never stored.
     q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
-    if MAX_SPLITS > 0 and ONE_TOKEN:
+    if TOKEN_SPLITS:
         # Split form of a decode step: the program's rows are one token's heads, so its split layout is one
         # scalar. Its tiles [lo, hi) all hold keys <= the position (lo * BLOCK_N <= p), so the plain mask
         # gives each row exactly the per-row form's arithmetic below (whose extra bounds are then vacuous).
@@ -193,7 +204,7 @@ def paged_attention_kernel(
         lo_pos = 0
         tile_lo = split * per_split
         num_tiles = tl.minimum(tile_lo + per_split, n_tiles)
-    elif MAX_SPLITS > 0:
+    elif ROW_SPLITS:
         # Split form (module docstring of kernels/split_plan.py): this program reduces split
         # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
         tl.static_assert(not SWAP, "the split form runs the untransposed tile")
@@ -303,18 +314,15 @@ def paged_attention_kernel(
     else:
         if DOT_SUM:
             l_i = tl.max(l_i, axis=1)    # every column holds the sum: max is exact and order-free
-        if MAX_SPLITS > 0 and ONE_TOKEN:
+        if TOKEN_SPLITS:
             # The token's split count decides for all rows: a scalar branch keeps one store live at a time.
             if n_splits == 1:
-                out = acc / l_i[:, None]
-                if KV_FP8:
-                    out = out * tl.load(v_scale_ptr + kv_head)
-                tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                _store_out(out_ptr, acc / l_i[:, None], t, head, d, stride_ot, stride_oh, row_ok, v_scale_ptr,
+                           kv_head, KV_FP8)
             else:
                 _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i,
                                l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
-        elif MAX_SPLITS > 0:
+        elif ROW_SPLITS:
             # A one-split row normalises and stores as the unsplit form does; the others leave their
             # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
             single = active & (n_splits == 1)
@@ -322,11 +330,7 @@ def paged_attention_kernel(
             multi = active & (n_splits > 1)
             _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i,
                            multi, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
+            _store_out(out_ptr, out, t, head, d, stride_ot, stride_oh, single, v_scale_ptr, kv_head, KV_FP8)
         else:
-            single = row_ok
-            out = acc / l_i[:, None]
-        if not (MAX_SPLITS > 0 and ONE_TOKEN):
-            if KV_FP8:
-                out = out * tl.load(v_scale_ptr + kv_head)
-            tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=single[:, None])
+            _store_out(out_ptr, acc / l_i[:, None], t, head, d, stride_ot, stride_oh, row_ok, v_scale_ptr,
+                       kv_head, KV_FP8)
