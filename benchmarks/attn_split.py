@@ -58,28 +58,6 @@ def _splits(policy, cfg: dict, last_pos: int) -> int:
     return int(split_counts(np.array([last_pos]), cfg["BLOCK_N"], policy.min_tiles, policy.max_splits)[0])
 
 
-def _same_bits(sched: _Sched, dec_cfg: dict, pre_cfg: dict, policy) -> bool:
-    """Decode rows (static plan) == full-prefill rows == chunk rows, under `policy`."""
-    from deepinfer.kernels.paged_attention import launch_paged_attention
-
-    def run(cfg, rows, decode):
-        meta, qs = sched.meta(rows, decode)
-        if decode:
-            meta.split_kv = max(_splits(policy, cfg, ctx - 1) for _, _, ctx in rows) > 1
-        return launch_paged_attention(qs, sched.kc, sched.vc, meta, sched.scale, sched.ks, sched.vs, cfg,
-                                      split=policy)
-
-    lens, off = sched.lens, sched.offsets
-    full = run(pre_cfg, [(b, 0, n) for b, n in enumerate(lens)], False)
-    rows = [(b, p, p + 1) for b, p in sched.decode_rows]
-    dec = run(dec_cfg, rows, True)
-    idx = torch.tensor([off[b] + p for b, p in sched.decode_rows], device=full.device)
-    chunks = [(b, lo, n) for b, (lo, n) in enumerate(zip(sched.chunk_starts, lens, strict=True))]
-    chunk = run(pre_cfg, chunks, False)
-    cidx = torch.cat([torch.arange(off[b] + lo, off[b] + n) for b, lo, n in chunks]).to(full.device)
-    return torch.equal(dec, full[idx]) and torch.equal(chunk, full[cidx])
-
-
 def main(argv: list[str] | None = None) -> int:
     from deepinfer.kernels.paged_attention import attention_tile_config
 
@@ -103,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             for pol_name, pol in pols.items():
                 base = {"shape": name, "cache": cache, "policy": pol_name,
                         "min_tiles": pol.min_tiles, "max_splits": pol.max_splits}
-                rows.append(dict(base, case="bits", same_bits=_same_bits(sched, dec_cfg, pre_cfg, pol)))
+                rows.append(dict(base, case="bits", same_bits=sched.check(dec_cfg, pre_cfg, pol)[0]))
                 print(json.dumps(rows[-1]), flush=True)
                 for batch, context in DECODE_CASES:
                     ops = _decode_operands(sh, batch, context, fp8)

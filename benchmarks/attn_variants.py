@@ -131,11 +131,17 @@ class _Sched:
         qs = torch.cat([self.q[self.offsets[b] + lo:self.offsets[b] + ctx] for b, lo, ctx in rows])
         return meta, qs
 
-    def run(self, cfg: dict, rows: list[tuple[int, int, int]], decode: bool) -> torch.Tensor:
+    def run(self, cfg: dict, rows: list[tuple[int, int, int]], decode: bool, split=None) -> torch.Tensor:
+        """The rows' outputs under `cfg` and split-KV policy `split` (None: no split); a decode step as a
+        CUDA graph runs it (its static plan, split_kv set from the longest row as the runner sets it)."""
         from deepinfer.kernels.paged_attention import launch_paged_attention
 
         meta, qs = self.meta(rows, decode)
-        return launch_paged_attention(qs, self.kc, self.vc, meta, self.scale, self.ks, self.vs, cfg)
+        if decode and split is not None:
+            first = split.split_from(cfg["BLOCK_N"])
+            meta.split_kv = first is not None and max(ctx for _, _, ctx in rows) - 1 >= first
+        return launch_paged_attention(qs, self.kc, self.vc, meta, self.scale, self.ks, self.vs, cfg,
+                                      split=split)
 
     def run_file(self, path: str) -> torch.Tensor:
         """The decode rows through another copy of kernels/paged_attention.py (its `paged_attention`)."""
@@ -147,17 +153,18 @@ class _Sched:
         meta, qs = self.meta([(b, p, p + 1) for b, p in self.decode_rows], decode=True)
         return mod.paged_attention(qs, self.kc, self.vc, meta, self.scale, self.ks, self.vs)
 
-    def check(self, dec_cfg: dict, pre_cfg: dict) -> tuple[bool, torch.Tensor, float]:
-        """(decode rows == prefill rows bitwise, the decode rows, worst relative error vs the reference)."""
+    def check(self, dec_cfg: dict, pre_cfg: dict, split=None) -> tuple[bool, torch.Tensor, float]:
+        """(decode rows == prefill rows bitwise, the decode rows, worst relative error vs the reference),
+        under split-KV policy `split` (None: no split)."""
         from deepinfer.kernels.reference.attention import paged_attention_ref
 
-        full = self.run(pre_cfg, [(b, 0, n) for b, n in enumerate(self.lens)], decode=False)
+        full = self.run(pre_cfg, [(b, 0, n) for b, n in enumerate(self.lens)], False, split)
         rows = [(b, p, p + 1) for b, p in self.decode_rows]
-        dec = self.run(dec_cfg, rows, decode=True)
+        dec = self.run(dec_cfg, rows, True, split)
         idx = torch.tensor([self.offsets[b] + p for b, p in self.decode_rows], device=DEV)
         same = torch.equal(dec, full[idx])
         chunks = [(b, lo, n) for b, (lo, n) in enumerate(zip(self.chunk_starts, self.lens, strict=True))]
-        chunk_out = self.run(pre_cfg, chunks, decode=False)
+        chunk_out = self.run(pre_cfg, chunks, False, split)
         cidx = torch.cat([torch.arange(self.offsets[b] + lo, self.offsets[b] + n) for b, lo, n in chunks])
         same = same and torch.equal(chunk_out, full[cidx.to(DEV)])
         if self.ref is None:
