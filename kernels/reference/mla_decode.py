@@ -3,8 +3,8 @@
 `mla_decode_ref` computes, per new token and head, softmax(scale * q_abs . entry) over the token's causal
 context read through the block table, times the context's latents — float32, one plain softmax, no
 chunking or splitting, so it is independent of the kernel's tiling. `head_proj_ref` is the per-head
-projection out[t, h] = W[h] @ x[t, h]. `split_counts` (kernels/split_plan.py) is the split-KV layout
-the kernel uses.
+projection out[t, h] = W[h] @ x[t, h]. The kernel's split-KV layout is kernels/split_plan.py's
+`split_counts`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
 from deepinfer.kernels.metadata import AttentionMetadata
-from deepinfer.kernels.split_plan import split_counts  # noqa: F401  (re-exported: tests import it here)
 
 
 def check_mla_decode_args(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -92,7 +92,7 @@ def test_scratch_is_cut_into_groups_without_changing_results(mla, monkeypatch):
 
 def test_split_layout_depends_on_position_only(mla):
     import numpy as np
-    from deepinfer.kernels.reference.mla_decode import split_counts
+    from deepinfer.kernels.split_plan import split_counts
 
     pos = np.arange(0, 5000)
     counts = split_counts(pos, 32, mla.DETERMINISTIC_SPLITS.min_tiles, mla.DETERMINISTIC_SPLITS.max_splits)

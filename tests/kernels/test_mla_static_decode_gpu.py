@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepinfer.kernels.reference.mla_decode import mla_decode_ref, split_counts
+from deepinfer.kernels.reference.mla_decode import mla_decode_ref
+from deepinfer.kernels.split_plan import split_counts
 
 from tests.support.paged_batches import padded_decode_metadata, random_block_lists, same_bits
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepinfer.kernels.reference.mla_decode import mla_decode_ref, split_counts
-from deepinfer.kernels.split_plan import static_decode_ranges
+from deepinfer.kernels.reference.mla_decode import mla_decode_ref
+from deepinfer.kernels.split_plan import split_counts, static_decode_ranges
 
 from tests.kernels.interpreter_bf16 import gpu_like_bf16
 from tests.support.interpreted import interpreted_kernels, skip_unless_interpreting
