@@ -6,8 +6,6 @@ import torch
 import torch.nn.functional as F
 from deepinfer.engine.layers.ops import Ops
 from deepinfer.kernels.metadata import AttentionMetadata
-from deepinfer.kernels.reference.activation import silu_and_mul_ref
-from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.matmul import row_invariant_mm
 from deepinfer.kernels.reference.mla import mla_attention_ref
 from deepinfer.kernels.reference.pointwise import PIECE, VEC_TILE
@@ -21,12 +19,14 @@ from deepinfer.kernels.reference.tiled_attention import (
     tiled_paged_attention,
 )
 
+# Row counts for which CpuFastOps.linear runs the 16-row-chunk forms of row_invariant_mm, not F.linear.
+DECODE_CHUNK_ROWS = (8, 32)
 
-class CpuInvariantOps(Ops):
-    """Batch-invariant CPU ops: `f(x)[i]` is bitwise `f(x[i:i+1])[0]` for every op."""
 
-    name = "cpu-invariant"
-    deterministic = True
+class _CpuOps(Ops):
+    """What both CPU backends share: attention, rotary + KV store and SiLU-and-mul, each already
+    batch-invariant and the fastest form this file has (so fast mode is never slower than deterministic
+    mode; the backends differ in their GEMMs and norms)."""
 
     def __init__(self) -> None:
         # The attention plan of the step being run: every layer of a step has the same metadata, so the
@@ -52,15 +52,6 @@ class CpuInvariantOps(Ops):
                                        q.device)
             self._plan = plan
         return plan
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # torch.mm on CPU is not row-invariant (its kernel may depend on M); row_invariant_mm gives row i
-        # the bits of torch.mm over a fixed 16-row chunk, whatever else shares the call.
-        out = row_invariant_mm(x, weight)
-        return out + bias if bias is not None else out
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm_ref(x, weight, eps, invariant=True)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         # silu_and_mul_ref(x, invariant=True) with one copy instead of three: the gate goes once into a
@@ -109,6 +100,22 @@ class CpuInvariantOps(Ops):
                                      plan=self._attention_plan(q, k_cache, meta))
 
 
+class CpuInvariantOps(_CpuOps):
+    """Batch-invariant CPU ops: `f(x)[i]` is bitwise `f(x[i:i+1])[0]` for every op."""
+
+    name = "cpu-invariant"
+    deterministic = True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # torch.mm on CPU is not row-invariant (its kernel may depend on M); row_invariant_mm gives row i
+        # the bits of torch.mm over a fixed 16-row chunk, whatever else shares the call.
+        out = row_invariant_mm(x, weight)
+        return out + bias if bias is not None else out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps, invariant=True)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + [x2, x1] * signed_sin (x [T, H, D]; the halves swapped by one flip of a [2, D/2] view)."""
     shape = x.shape
@@ -116,24 +123,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return (x * cos).add_(swapped.mul_(signed_sin))
 
 
-class CpuFastOps(Ops):
-    """Plain torch CPU ops (not batch-invariant): the simple, correct reference path."""
+class CpuFastOps(_CpuOps):
+    """Plain torch CPU ops: BLAS GEMMs over the whole batch and the plain RMSNorm (not batch-invariant)."""
 
     name = "cpu-fast"
     deterministic = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        if not DECODE_CHUNK_ROWS[0] <= x.shape[0] <= DECODE_CHUNK_ROWS[1]:
+            return F.linear(x, weight, bias)
+        # Decode-sized batches: the deterministic path's 16-row forms stream the weight faster than
+        # MKL's plain call (benchmarks/RESULTS.md, 2026-12-04 22:00).
+        out = row_invariant_mm(x, weight)
+        return out + bias if bias is not None else out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_ref(x, weight, eps)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_ref(x)
-
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
     def mla_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                       meta: AttentionMetadata, kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
