@@ -8,8 +8,9 @@ For each head shape (benchmarks/attn_variants.py's SHAPES) and cache (bf16, e4m3
 - one_program: NO_SPLIT, the form every row took before split-KV;
 - default: `attention_split_policy` of the shape (from SPLIT_FROM, except a 16-bit cache with 128-dim heads,
   which does not split by default);
-- from_1k / from_512: splits forced from 1,024 / 512 positions (at most 8), for the family the default
-  leaves alone and to see whether the 0.5B benchmark step (256 rows at ~640 positions, 512 programs) gains.
+- from_1k / from_512 / from_256: splits forced from 1,024 / 512 / 256 positions (at most 8), for the family
+  the default leaves alone and to see whether the 0.5B benchmark step gains: 256 rows at ~640 positions are
+  512 programs of 5-6 key tiles, of which 3 fit an SM (1.3 waves on 132 SMs).
 Decode steps run the CUDA-graph form (the static decode plan; split_kv set as the runner sets it); prefill
 steps the host plan. `same_bits`: decode rows of 24 random-length sequences (up to 2,600 positions) equal
 their rows of a full prefill and of chunks with random starts under that policy. Needs a CUDA GPU.
@@ -41,7 +42,8 @@ def _policies(cfg: dict) -> dict:
 
     n = cfg["BLOCK_N"]
     return {"one_program": NO_SPLIT, "default": attention_split_policy(cfg),
-            "from_1k": SplitPolicy(max(1, 1024 // n), 8), "from_512": SplitPolicy(max(1, 512 // n), 8)}
+            "from_1k": SplitPolicy(max(1, 1024 // n), 8), "from_512": SplitPolicy(max(1, 512 // n), 8),
+            "from_256": SplitPolicy(max(1, 256 // n), 8)}
 
 
 def _call(ops: dict, cfg: dict, policy):
