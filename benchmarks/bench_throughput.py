@@ -56,6 +56,10 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
                 "reduce": ("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM",
                            "split-K partials reduced in their own kernel, not in the next RMSNorm"),
                 "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened")}
+# Arm suffixes that move paged attention's split-KV threshold (kernels/paged_attention.SPLIT_FROM, 1,024) for
+# the arm, where the shape's tiles split at all: an A/B of a layout change before it ships. Rows past the
+# threshold change their bits, so such an arm's tokens are compared with its own first run only.
+ARM_SPLIT_FROM = {"split512": 512, "split256": 256}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -77,15 +81,22 @@ def arm_sampling(mode: str, max_tokens: int):
 
 @contextlib.contextmanager
 def arm_env(mode: str):
-    """The environment of arm `mode` ("deterministic" or "fast", then "+suffix"es of ARM_SWITCHES), set for
-    the arm's whole life (the engine reads some switches when it is built, others per run)."""
+    """The environment of arm `mode` ("deterministic" or "fast", then "+suffix"es of ARM_SWITCHES and
+    ARM_SPLIT_FROM), set for the arm's whole life (the engine reads some switches when it is built, others
+    per run)."""
     _, *suffixes = mode.split("+")
     names = [ARM_SWITCHES[x][0] for x in suffixes if x in ARM_SWITCHES]
     saved = {n: os.environ.pop(n, None) for n in (v[0] for v in ARM_SWITCHES.values())}
     os.environ.update({n: "1" for n in names})
+    from deepinfer.kernels import paged_attention
+
+    split_from = paged_attention.SPLIT_FROM
+    for x in suffixes:
+        paged_attention.SPLIT_FROM = ARM_SPLIT_FROM.get(x, paged_attention.SPLIT_FROM)
     try:
         yield
     finally:
+        paged_attention.SPLIT_FROM = split_from
         for n, v in saved.items():
             os.environ.pop(n, None)
             if v is not None:
@@ -216,7 +227,7 @@ def main() -> None:
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
                          "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
                          "+reduce (split-K reduced apart from the norm), +noflat (GEMM tile loops not "
-                         "flattened), "
+                         "flattened), +split512 / +split256 (split-KV from 512 / 256 positions), "
                          "+topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
@@ -261,10 +272,11 @@ def main() -> None:
     modes = args.modes.split(",")
     for mode in modes:
         base, *suffixes = mode.split("+")
-        unknown = base not in ("deterministic", "fast") or any(x not in ARM_SWITCHES and x not in ARM_SAMPLING
-                                                                for x in suffixes)
+        unknown = base not in ("deterministic", "fast") or any(
+            x not in ARM_SWITCHES and x not in ARM_SAMPLING and x not in ARM_SPLIT_FROM for x in suffixes)
         if mode != "hf" and unknown:
-            known = ", ".join(f"+{k} ({v[1]})" for k, v in {**ARM_SWITCHES, **ARM_SAMPLING}.items())
+            known = ", ".join([f"+{k} ({v[1]})" for k, v in {**ARM_SWITCHES, **ARM_SAMPLING}.items()]
+                              + [f"+{k} (split-KV from {v} positions)" for k, v in ARM_SPLIT_FROM.items()])
             raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
     together = {}
     if args.interleave:
