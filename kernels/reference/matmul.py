@@ -6,17 +6,18 @@ and so the order in which a row's products are summed, may depend on M), so a ro
 as torch.mm over a chunk of exactly ROW_CHUNK rows: whatever else shares the call, a row gives those bits.
 
 Big prefill batches would then pay a BLAS call (and a repack of the weight) per 16 rows, about twice the
-time per row of one large call. So for each weight (shape, dtype, strides, thread count) and each size of
-WIDE_CHUNKS, the first call with at least that many rows probes, on seeded random rows, whether one call
-of that many rows gives bitwise the same rows as its 16-row chunks; rows are then covered by the largest
-sizes that passed (the rest by 16-row calls). A GEMM's summation order depends on the shapes and the code
-path, never on the values, so if the orders differed anywhere, random rows would show it in the low bits
-of some of the size x N outputs; where a probe fails (another BLAS, another CPU), that size is not used
-and the result is the same by definition. Every call writes straight into one output (no concatenation).
-ROW_CHUNK-row calls (every decode step) run in the fastest form whose probe shows it gives the plain
-call's bits: out^T = W @ x^T (MKL: 10-35% faster at 16 rows for every decode shape of a 135M model),
-and for wide weights (N > COL_CHUNK: lm head, merged gate/up) in equal column slices; each output is
-the same dot over K, only the blocking around it changes.
+time per row of one large call, and decode batches of a few dozen rows would stream every weight once per 16
+rows. So for each weight (shape, dtype, strides, thread count) and each size of WIDE_CHUNKS, the first call
+with at least that many rows probes, on seeded random rows, whether one call of that many rows gives bitwise
+the same rows as its 16-row chunks; rows are then covered by the largest sizes that passed (the rest by
+16-row calls). A GEMM's summation order depends on the shapes and the code path, never on the values, so if
+the orders differed anywhere, random rows would show it in the low bits of some of the size x N outputs;
+where a probe fails (another BLAS, another CPU), that size is not used and the result is the same by
+definition. Every call writes straight into one output (no concatenation).
+ROW_CHUNK-row calls (decode steps below 32 rows, the rest of others) run in the fastest form whose probe
+shows it gives the plain call's bits: out^T = W @ x^T (MKL: 10-35% faster at 16 rows for every decode shape
+of a 135M model), and for wide weights (N > COL_CHUNK: lm head, merged gate/up) in equal column slices; each
+output is the same dot over K, only the blocking around it changes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ ROW_CHUNK = 16
 # runs such calls measurably faster in column slices of this width (written in place into the output) than
 # whole. Used per weight only where its probe shows the slices give bitwise the whole call's columns.
 COL_CHUNK = 2048
-WIDE_CHUNKS = (512, 256, 128)   # larger row calls, each used only where its probe passed (largest first)
+# Larger row calls, each used only where its probe passed (largest first). 32 and 64 are decode batches: one
+# call streams each weight once where 16-row calls stream it per chunk (135M shape, 2 cores: a 64-row decode
+# step's GEMMs 183 -> 138 ms, 32 rows 103 -> 95).
+WIDE_CHUNKS = (512, 256, 128, 64, 32)
 WIDE_CHUNK = WIDE_CHUNKS[-1]
 # Allocator alignment of fresh CPU tensors; chunks that start elsewhere are copied so the BLAS kernel
 # never sees a differently aligned operand for the same row.

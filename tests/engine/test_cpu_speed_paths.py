@@ -1,6 +1,6 @@
 """The CPU deterministic path's fast paths keep bitwise row invariance.
 
-- row_invariant_mm: whole 512-, 256- and 128-row BLAS calls (each used only where a probe found it
+- row_invariant_mm: whole 512-, 256-, 128-, 64- and 32-row BLAS calls (each used only where a probe found it
   bitwise equal to 16-row calls) and the 16-row fallback give every row the bits it gets alone.
 - chunked_paged_attention: splitting the batch into pieces, zero padding of keys and chunks, and the
   sign of zero never change a token's bits.
@@ -21,7 +21,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("wide_allowed", [(128, 256, 512), (128, 512), (256,), ()])
+@pytest.mark.parametrize("wide_allowed", [(32, 64, 128, 256, 512), (128, 256, 512), (32, 512), (64,), ()])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n", [(64, 96), (72, 40)])  # 72 * 2 bytes: bf16 chunks start misaligned
 def test_row_invariant_mm_wide_and_narrow_calls_agree_with_rows_alone(monkeypatch, wide_allowed, dtype, k, n):
@@ -33,11 +33,11 @@ def test_row_invariant_mm_wide_and_narrow_calls_agree_with_rows_alone(monkeypatc
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(700, k, generator=gen).to(dtype)
     full = matmul.row_invariant_mm(x, w)
-    for m in (1, 17, 128, 129, 256, 513, 650):
+    for m in (1, 17, 32, 47, 64, 97, 128, 129, 256, 513, 650):
         part = matmul.row_invariant_mm(x[:m], w)
         assert torch.equal(_bits(part), _bits(full[:m])), f"{m} rows"
         assert torch.equal(_bits(matmul.row_invariant_mm(x[700 - m:], w)), _bits(full[700 - m:])), f"last {m}"
-    for i in (0, 127, 128, 511, 512, 699):
+    for i in (0, 31, 32, 63, 64, 127, 128, 511, 512, 699):
         assert torch.equal(_bits(matmul.row_invariant_mm(x[i:i + 1], w)[0]), _bits(full[i]))
     torch.testing.assert_close(full.float(), (x.float() @ w.float().T), atol=0.1, rtol=2e-2)
 
