@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 from deepinfer.kernels.split_plan import SplitPolicy, get_host_plan, static_decode_ranges
 
 if TYPE_CHECKING:
@@ -43,12 +44,13 @@ def split_combine_kernel(
     slot_base, num_heads, stride_ot, stride_oh,
     BLOCK_H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr, FIXED_SLOTS: tl.constexpr,
-    V_SCALE: tl.constexpr = False, GROUP: tl.constexpr = 1,
+    V_SCALE: tl.constexpr = False, GROUP: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     """Merge the split partials of one token's heads (a block of BLOCK_H) into out [T, H, WIDTH].
 
     V_SCALE: the output is multiplied by the per-kv-head scale at v_scale_ptr[head // GROUP] after the
     normalisation (an e4m3 cache's value scale), as the split kernel does for its single-split rows."""
+    wait_for_producers(PDL)   # kernels/pdl.py: the split kernel's partials are complete and visible
     if FIXED_SLOTS:   # the static decode plan: one program per token from slot_base / MAX_SPLITS on
         t = (slot_base // MAX_SPLITS + tl.program_id(0)).to(tl.int64)
     else:             # the host plan: the multi-split tokens listed at tok_ptr
@@ -130,7 +132,7 @@ class SplitLauncher:
             slot_base, self.num_heads, out.stride(0), out.stride(1),
             BLOCK_H=self.combine_heads, WIDTH=self.width, BLOCK_N=self.block_n,
             MIN_TILES=policy.min_tiles, MAX_SPLITS=policy.max_splits, FIXED_SLOTS=fixed_slots,
-            V_SCALE=scale is not None, GROUP=self.group, num_warps=4,
+            V_SCALE=scale is not None, GROUP=self.group, num_warps=4, **pdl_options(self.q.device),
         )
 
     def host_planned(self) -> None:
