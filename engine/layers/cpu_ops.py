@@ -19,8 +19,10 @@ from deepinfer.kernels.reference.tiled_attention import (
     tiled_paged_attention,
 )
 
-# Row counts for which CpuFastOps.linear runs the 16-row-chunk forms of row_invariant_mm, not F.linear.
-DECODE_CHUNK_ROWS = (8, 32)
+# Row counts for which CpuFastOps.linear runs row_invariant_mm (one 16-row call in its transposed,
+# column-sliced form) instead of F.linear: the only range where it is faster (135M shape, MKL, a decode
+# step's GEMMs: 12 rows 64 vs 78 ms, 16 rows 61 vs 80; 8 rows even, 20-24 rows 117 vs 88-91).
+DECODE_CHUNK_ROWS = (9, 16)
 
 
 class _CpuOps(Ops):
@@ -132,8 +134,8 @@ class CpuFastOps(_CpuOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if not DECODE_CHUNK_ROWS[0] <= x.shape[0] <= DECODE_CHUNK_ROWS[1]:
             return F.linear(x, weight, bias)
-        # Decode-sized batches: the deterministic path's 16-row forms stream the weight faster than
-        # MKL's plain call (benchmarks/RESULTS.md, 2026-12-04 22:00).
+        # Decode batches of 9-16 rows: the 16-row transposed form streams the weights faster than MKL's
+        # plain call (benchmarks/RESULTS.md, 2026-12-04 21:55).
         out = row_invariant_mm(x, weight)
         return out + bias if bias is not None else out
 
