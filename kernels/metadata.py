@@ -50,6 +50,16 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @property
+    def static_decode(self) -> bool:
+        """A decode step with a static program map (`decode_plan`): its host lengths may be placeholders."""
+        return self.decode_plan is not None and self.max_query_len == 1
+
+    @property
+    def static_prefill(self) -> bool:
+        """A CUDA-graph prefill step with its static program map (`prefill_plan`)."""
+        return self.prefill_plan is not None and self.max_query_len > 1
+
+    @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 

@@ -191,7 +191,7 @@ def mla_decode(q_abs: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
     if num_tokens == 0:
         return out
     launch = _Launch(q_abs, cache, meta, out, scale, rank, policy)
-    if meta.decode_plan is not None and meta.max_query_len == 1:
+    if meta.static_decode:
         launch.static_decode(meta.decode_plan)
     else:
         launch.host_planned()

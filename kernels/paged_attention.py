@@ -162,9 +162,9 @@ def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> 
     first = policy.split_from(block_n)
     if first is None:
         return False
-    if meta.decode_plan is not None and meta.max_query_len == 1:
+    if meta.static_decode:
         return meta.split_kv
-    if meta.prefill_plan is not None and meta.max_query_len > 1:
+    if meta.static_prefill:
         return False
     return max(meta.seq_lens_cpu, default=0) - 1 >= first
 
@@ -224,14 +224,14 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if split is not None and _needs_split(meta, split, cfg["BLOCK_N"]):
         launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
-        if meta.decode_plan is not None and meta.max_query_len == 1:
+        if meta.static_decode:
             launch.static_decode(meta.decode_plan)
         else:
             launch.host_planned()
         return out
-    if meta.decode_plan is not None and meta.max_query_len == 1:
+    if meta.static_decode:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
-    elif meta.prefill_plan is not None and meta.max_query_len > 1:
+    elif meta.static_prefill:
         if meta.plan_block_q != cfg["BLOCK_Q"]:   # a plan of other query blocks would skip or repeat tokens
             raise ValueError(f"meta.prefill_plan was built for BLOCK_Q={meta.plan_block_q}, the tile config "
                              f"has BLOCK_Q={cfg['BLOCK_Q']}")

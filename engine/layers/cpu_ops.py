@@ -109,13 +109,17 @@ class CpuInvariantOps(_CpuOps):
     deterministic = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # torch.mm on CPU is not row-invariant (its kernel may depend on M); row_invariant_mm gives row i
-        # the bits of torch.mm over a fixed 16-row chunk, whatever else shares the call.
-        out = row_invariant_mm(x, weight)
-        return out + bias if bias is not None else out
+        return _invariant_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_ref(x, weight, eps, invariant=True)
+
+
+def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias), row-invariant: torch.mm on CPU may pick its kernel (and so a row's summation
+    order) by M; row_invariant_mm gives row i the bits of torch.mm over a fixed 16-row chunk."""
+    out = row_invariant_mm(x, weight)
+    return out + bias if bias is not None else out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -136,8 +140,7 @@ class CpuFastOps(_CpuOps):
             return F.linear(x, weight, bias)
         # Decode batches of 9-16 rows: the 16-row transposed form streams the weights faster than MKL's
         # plain call (benchmarks/RESULTS.md, 2026-12-04 21:55).
-        out = row_invariant_mm(x, weight)
-        return out + bias if bias is not None else out
+        return _invariant_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_ref(x, weight, eps)
