@@ -39,7 +39,7 @@ from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges
 from deepinfer.kernels.matmul_split import SplitSum, split_launch, split_partials
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
 from deepinfer.kernels.reference.rope_layout import RopeStore
-from deepinfer.kernels.rope_epilogue import gemm_epilogue, rope_after, rope_epilogue_fits, rope_kernel_args
+from deepinfer.kernels.rope_epilogue import gemm_epilogue, rope_after, rope_epilogue_chunks, rope_kernel_args
 
 
 @dataclass(frozen=True)
@@ -343,8 +343,8 @@ def bi_linear(
         return _swiglu_after(plain) if swiglu else plain
     cfg = (config if config is not None else _choose(x, weight, bias, planner)).fit_to_device(
         x.element_size(), x.device)
-    if rope is not None and not rope_epilogue_fits(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k,
-                                                   cfg.serial_split):
+    chunks = rope_epilogue_chunks(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k, cfg.serial_split)
+    if rope is not None and not chunks:
         # No rope form here: its plain result, then the rotary + KV-store kernel on the columns in order.
         return rope_after(bi_linear(x, weight, bias, config=cfg), rope)
     if cfg.split_k > 1 and not cfg.serial_split:
@@ -365,8 +365,9 @@ def bi_linear(
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
     if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits, cfg.flatten, rope)
-    rope_args, rope_consts = rope_kernel_args(rope, out)
+                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits, cfg.flatten, rope,
+                          chunks)
+    rope_args, rope_consts = rope_kernel_args(rope, out, chunks)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,

@@ -139,17 +139,18 @@ def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
 def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
                programs: int, swiglu: bool = False, splits: int = 1, flatten: bool = False,
-               rope: RopeStore | None = None) -> torch.Tensor:
+               rope: RopeStore | None = None, rope_chunks: int = 1) -> torch.Tensor:
     """out = x @ weight.T (+ bias) with TMA tile loads; the caller checked `tma_usable(x, weight)` and
     chose the config and program count (kernels/matmul.bi_linear); `swiglu`: the SWIGLU epilogue
     (gemm_parts.linear_epilogue), `out` then [M, N / 2]; `rope`: the qkv projection's rotary + KV-store
-    epilogue (kernels/rope_epilogue.py), `out` then the rotated q [M, Hq * D]; `splits` > 1: the serial form
+    epilogue (kernels/rope_epilogue.py; `rope_chunks`: its `rope_epilogue_chunks`), `out` then the rotated q
+    [M, Hq * D]; `splits` > 1: the serial form
     of that fixed-order split-K (ranges of `split_ranges(K, block_k, splits)` k-tiles); `flatten`: the tile
     loop pipelined with the K loop (ignored with a serial split)."""
     m, k = x.shape
     n = weight.shape[0]
     x_desc, w_desc = _descriptors(x, weight, block_m, block_n, block_k)
-    rope_args, rope_consts = rope_kernel_args(rope, out)
+    rope_args, rope_consts = rope_kernel_args(rope, out, rope_chunks)
     _bi_linear_tma_kernel[(programs,)](
         x_desc, w_desc, bias if bias is not None else out, out,
         m, n, k, out.stride(0), out.stride(1), *rope_args,

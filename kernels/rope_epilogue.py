@@ -81,14 +81,44 @@ def rope_store_epilogue(acc, b_ptr, q_ptr, offs_m, offs_n, M, N, stride_qm, cos_
 
 
 @triton.jit
+def _column_quarters(t, BLOCK_N: tl.constexpr):
+    """The four [.., BLOCK_N / 4] column ranges of a [BLOCK_N] or [rows, BLOCK_N] tile (each range whole
+    rotary pairs: BLOCK_N / 4 is even), in one fixed order, so a tile and its column offsets split alike."""
+    if len(t.shape) == 1:
+        q = tl.permute(tl.reshape(t, (2, 2, BLOCK_N // 4)), (2, 0, 1))
+    else:
+        q = tl.permute(tl.reshape(t, (t.shape[0], 2, 2, BLOCK_N // 4)), (0, 3, 1, 2))
+    lo, hi = tl.split(q)
+    q0, q1 = tl.split(lo)
+    q2, q3 = tl.split(hi)
+    return q0, q1, q2, q3
+
+
+@triton.jit
 def gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, cos_ptr, sin_ptr,
                   stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch,
                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, Q_COLS: tl.constexpr, KV_COLS: tl.constexpr,
                   CACHE_BLOCK: tl.constexpr):
-    """The batch-invariant 16-bit GEMMs' epilogue: under ROPE the qkv one above (out = q), else
+    """The batch-invariant 16-bit GEMMs' epilogue: under ROPE the qkv one above (out = q; ROPE = 4: the tile
+    a quarter of its columns at a time, which bounds the registers of a large tile), else
     gemm_parts.linear_epilogue (plain or SWIGLU)."""
-    if ROPE:
+    if ROPE == 4:
+        a0, a1, a2, a3 = _column_quarters(acc, BLOCK_N)
+        n0, n1, n2, n3 = _column_quarters(offs_n, BLOCK_N)
+        rope_store_epilogue(a0, b_ptr, out_ptr, offs_m, n0, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
+                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
+                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        rope_store_epilogue(a1, b_ptr, out_ptr, offs_m, n1, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
+                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
+                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        rope_store_epilogue(a2, b_ptr, out_ptr, offs_m, n2, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
+                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
+                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        rope_store_epilogue(a3, b_ptr, out_ptr, offs_m, n3, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
+                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
+                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+    elif ROPE:
         rope_store_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, cos_ptr, sin_ptr,
                             stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS,
                             BLOCK_N, HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
@@ -97,33 +127,40 @@ def gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_o
                         BLOCK_N)
 
 
-def rope_kernel_args(rope: RopeStore | None, out: torch.Tensor) -> tuple[tuple, dict]:
+def rope_kernel_args(rope: RopeStore | None, out: torch.Tensor, chunks: int = 1) -> tuple[tuple, dict]:
     """The GEMM kernels' rope operands: (cos, sin, cos row stride, k cache, v cache, slots, cache strides
-    per block / slot / head) and their constexprs; placeholders (never read) without a rope epilogue."""
+    per block / slot / head) and their constexprs (`chunks`: `rope_epilogue_chunks` of the config);
+    placeholders (never read) without a rope epilogue."""
     if rope is None:
         return ((out, out, 0, out, out, out, 0, 0, 0),
                 dict(ROPE=0, HEAD_DIM=2, Q_COLS=0, KV_COLS=0, CACHE_BLOCK=1))
     kc = rope.k_cache
     return ((rope.cos, rope.sin, rope.cos.stride(0), kc, rope.v_cache, rope.slot_mapping, kc.stride(0),
              kc.stride(1), kc.stride(2)),
-            dict(ROPE=1, HEAD_DIM=rope.head_dim, Q_COLS=rope.q_cols, KV_COLS=rope.kv_cols,
+            dict(ROPE=chunks, HEAD_DIM=rope.head_dim, Q_COLS=rope.q_cols, KV_COLS=rope.kv_cols,
                  CACHE_BLOCK=kc.shape[1]))
 
 
 
-# Accumulator elements per thread up to which a tile takes the rope epilogue. The decode buckets' tiles hold
-# 16-64 and compile without spills on sm_90 (Triton 3.6: 96-244 registers, no stack); the 128 x 256
-# prefill tiles hold 128 and spill 1.0-1.5 KB of stack per thread in it, so they keep the rotary kernel.
-ROPE_MAX_ACC_PER_THREAD = 64
+# Accumulator elements per thread up to which a tile runs the rope epilogue whole: the decode buckets' tiles
+# hold 16-64 and compile without spills on sm_90 (Triton 3.6: 96-244 registers, no stack). The 128 x 256
+# prefill tiles hold 128: whole, they spilled 1.0-1.5 KB of stack per thread; a quarter of the columns at a
+# time, 0-32 bytes (benchmarks/RESULTS.md, 2026-12-05).
+ROPE_WHOLE_TILE_ACC = 64
+ROPE_QUARTERS_ACC = 128
 
 
-def rope_epilogue_fits(block_m: int, block_n: int, num_warps: int, split_k: int, serial_split: bool) -> bool:
-    """Whether a GEMM config runs the rope epilogue: a tile small enough for its registers (see
-    ROPE_MAX_ACC_PER_THREAD) whose sum is formed in one program (no parallel split-K: its reduce runs the
-    epilogue, which has no rope form). Otherwise the projection runs plain, then the rotary kernel; the
-    same bits either way."""
-    one_program = split_k == 1 or serial_split
-    return one_program and block_m * block_n <= ROPE_MAX_ACC_PER_THREAD * 32 * num_warps
+def rope_epilogue_chunks(block_m: int, block_n: int, num_warps: int, split_k: int, serial_split: bool) -> int:
+    """How a GEMM config runs the rope epilogue: 1 (the whole tile at once), 4 (a quarter of its columns at
+    a time), or 0 (not at all: a tile too large for its registers, or a parallel split-K, whose reduce runs
+    the epilogue and has no rope form; the projection then runs plain, then the rotary kernel). The same
+    bits either way."""
+    if split_k > 1 and not serial_split:
+        return 0
+    per_thread = block_m * block_n // (32 * num_warps)
+    if per_thread <= ROPE_WHOLE_TILE_ACC:
+        return 1
+    return 4 if per_thread <= ROPE_QUARTERS_ACC and block_n >= 64 else 0
 
 
 def rope_after(qkv: torch.Tensor, rope: RopeStore) -> torch.Tensor:

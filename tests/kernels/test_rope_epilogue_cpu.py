@@ -72,26 +72,28 @@ def test_a_fitting_rope_store_passes_its_checks():
     _store().check(x, w)
 
 
-# (block_m, block_n, num_warps, split_k, serial, fits): the H200 tables' decode tiles take it, the 128 x 256
-# prefill tiles and any parallel split-K do not.
-FITS = [
-    (64, 32, 4, 1, False, True),     # 0.5B qkv, M <= 128
-    (64, 64, 4, 1, False, True),     # 0.5B qkv, M <= 256; 8B qkv, M <= 64
-    (64, 128, 4, 1, False, True),    # 8B qkv, M <= 128
-    (128, 128, 8, 1, False, True),   # 8B qkv, M <= 256
-    (128, 256, 8, 1, False, False),  # prefill tiles
-    (128, 128, 4, 1, False, False),
-    (64, 64, 4, 4, True, True),      # a serial split sums in the tile's program
-    (64, 64, 4, 4, False, False),    # a parallel one in its reduce
+# (block_m, block_n, num_warps, split_k, serial, chunks): the H200 tables' decode tiles run it whole, the
+# 128 x 256 prefill tiles a quarter of their columns at a time; larger tiles and any parallel split-K not.
+CHUNKS = [
+    (64, 32, 4, 1, False, 1),      # 0.5B qkv, M <= 128
+    (64, 64, 4, 1, False, 1),      # 0.5B qkv, M <= 256; 8B qkv, M <= 64
+    (64, 128, 4, 1, False, 1),     # 8B qkv, M <= 128
+    (128, 128, 8, 1, False, 1),    # 8B qkv, M <= 256
+    (128, 256, 8, 1, False, 4),    # prefill tiles
+    (128, 128, 4, 1, False, 4),
+    (128, 256, 4, 1, False, 0),    # 256 per thread
+    (256, 32, 2, 1, False, 0),     # 128 per thread, quarters of 8 columns: too narrow
+    (64, 64, 4, 4, True, 1),       # a serial split sums in the tile's program
+    (64, 64, 4, 4, False, 0),      # a parallel one in its reduce
 ]
 
 
-@pytest.mark.parametrize("bm,bn,warps,split,serial,fits", FITS)
-def test_which_configs_run_the_rope_epilogue(bm, bn, warps, split, serial, fits):
+@pytest.mark.parametrize("bm,bn,warps,split,serial,chunks", CHUNKS)
+def test_how_configs_run_the_rope_epilogue(bm, bn, warps, split, serial, chunks):
     pytest.importorskip("triton")
-    from deepinfer.kernels.rope_epilogue import rope_epilogue_fits
+    from deepinfer.kernels.rope_epilogue import rope_epilogue_chunks
 
-    assert rope_epilogue_fits(bm, bn, warps, split, serial) == fits
+    assert rope_epilogue_chunks(bm, bn, warps, split, serial) == chunks
 
 
 @pytest.mark.parametrize("scaling", [None, "llama3"])

@@ -77,8 +77,8 @@ CASES = [
     (9, 6, 2, 16, 96, True, 32, False, 3, True),      # the serial split-K: the epilogue after the sum
     (19, 4, 2, 16, 96, True, 32, False, 2, False),    # the parallel split-K: plain GEMM, then the kernel
 ]
-# A tile too large for the epilogue's registers (rope_epilogue_fits): plain GEMM, then the kernel.
-BIG_TILE = (40, 4, 2, 16, 64, True)
+# (m, Hq, Hkv, D, K, bias): a tile of 64 x 256 (a prefill tile's width) over 256 qkv columns.
+WIDE = (70, 8, 4, 16, 64, True)
 
 
 @pytest.mark.parametrize("m,hq,hkv,d,k,bias,bn,persistent,split,serial", CASES)
@@ -89,16 +89,20 @@ def test_rope_epilogue_equals_gemm_then_rotary_store(mods, m, hq, hkv, d, k, bia
     _check(mods, cfg, m, hq, hkv, d, k, bias, torch.float16, padded=(0, m - 1))
 
 
-def test_a_tile_too_large_for_the_epilogue_takes_the_kernel(mods, monkeypatch):
+@pytest.mark.parametrize("warps,chunks", [(4, 4), (2, 0)])
+def test_wide_tiles_a_quarter_at_a_time_or_by_the_kernel(mods, monkeypatch, warps, chunks):
+    """128 accumulator elements per thread: the epilogue a quarter of the columns at a time; 256: the plain
+    GEMM, then the rotary kernel (rope_epilogue_chunks)."""
     from deepinfer.kernels import rope_epilogue
 
-    cfg = mods["matmul"].MatmulConfig(block_m=128, block_n=128, block_k=32, group_m=2, num_warps=4,
+    cfg = mods["matmul"].MatmulConfig(block_m=64, block_n=256, block_k=32, group_m=2, num_warps=warps,
                                       num_stages=2)
+    assert rope_epilogue.rope_epilogue_chunks(64, 256, warps, 1, False) == chunks
     ran = []
     monkeypatch.setattr(mods["matmul"], "rope_after", lambda qkv, rope: ran.append(1) or
                         rope_epilogue.rope_after(qkv, rope))
-    _check(mods, cfg, *BIG_TILE, torch.float16, padded=(1,))
-    assert ran == [1]
+    _check(mods, cfg, *WIDE, torch.float16, padded=(1, 66))
+    assert ran == ([] if chunks else [1])
 
 
 def test_rope_epilogue_in_bfloat16(mods, monkeypatch):
