@@ -104,20 +104,12 @@ def gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_o
     a quarter of its columns at a time, which bounds the registers of a large tile), else
     gemm_parts.linear_epilogue (plain or SWIGLU)."""
     if ROPE == 4:
-        a0, a1, a2, a3 = _column_quarters(acc, BLOCK_N)
-        n0, n1, n2, n3 = _column_quarters(offs_n, BLOCK_N)
-        rope_store_epilogue(a0, b_ptr, out_ptr, offs_m, n0, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
-                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
-                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
-        rope_store_epilogue(a1, b_ptr, out_ptr, offs_m, n1, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
-                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
-                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
-        rope_store_epilogue(a2, b_ptr, out_ptr, offs_m, n2, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
-                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
-                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
-        rope_store_epilogue(a3, b_ptr, out_ptr, offs_m, n3, M, N, stride_om, cos_ptr, sin_ptr, stride_cos,
-                            kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, BLOCK_N // 4,
-                            HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        parts = _column_quarters(acc, BLOCK_N)
+        cols = _column_quarters(offs_n, BLOCK_N)
+        for i in tl.static_range(4):
+            rope_store_epilogue(parts[i], b_ptr, out_ptr, offs_m, cols[i], M, N, stride_om, cos_ptr, sin_ptr,
+                                stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch,
+                                HAS_BIAS, BLOCK_N // 4, HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
     elif ROPE:
         rope_store_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, cos_ptr, sin_ptr,
                             stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS,
