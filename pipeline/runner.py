@@ -31,11 +31,7 @@ from deepinfer.pipeline.part_collector import PartCollector  # noqa: F401 - re-e
 from deepinfer.pipeline.parts import PartSpec, PartTask, plan_parts
 from deepinfer.pipeline.progress import ProgressDisplay
 from deepinfer.pipeline.spec.load import JobSpec
-from deepinfer.pipeline.stages.assemble import (
-    PartAssembler,
-    keep_types_from_jsonl,
-    keep_types_from_parquet,
-)
+from deepinfer.pipeline.stages.assemble import PartAssembler, keep_types_for
 from deepinfer.pipeline.stages.plan import StagePlan, resolve_model_dir
 from deepinfer.pipeline.stages.read import InputFile, list_input
 from deepinfer.pipeline.summary import RunStats, format_summary, utc_now, validate_summary
@@ -109,12 +105,7 @@ def plan_job(listing: list[InputFile], rows_per_part: int) -> list[PartSpec]:
 def make_assembler(spec: JobSpec, listing: list[InputFile]) -> PartAssembler:
     """The part assembler of `spec`'s job: column types fixed from the whole input (also used by verify,
     which must rebuild a row exactly as the run that committed it did)."""
-    cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
-    if spec.input.format == "parquet":
-        keep_types = keep_types_from_parquet(listing, cols)
-    else:
-        keep_types = keep_types_from_jsonl(listing, cols, spec.input.storage_options,
-                                           id_column=spec.input.id_column)
+    keep_types = keep_types_for(spec, listing)
     scorer = None
     if spec.eval is not None:
         from deepinfer.pipeline.evaluation import Scorer

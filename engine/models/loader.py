@@ -73,7 +73,8 @@ def resolve_model_dir(model: str) -> Path:
     local = Path(model).expanduser()
     if local.is_dir():
         return local
-    tried.append(f"local directory {str(local)!r} (does not exist)")
+    why = "a file, not a directory" if local.is_file() else "does not exist"
+    tried.append(f"local directory {str(local)!r} ({why})")
     env_root = os.environ.get(MODEL_DIR_ENV)
     if env_root:
         candidate = Path(env_root).expanduser() / model

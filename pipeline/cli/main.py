@@ -177,6 +177,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from deepinfer.pipeline.spec.load import load_spec
 
     spec = load_spec(args.spec, args.overrides)
+    if args.summary_json:   # checked before the job runs, not found out after it
+        _check_summary_path(args.summary_json)
     # Decided once, here (a sweep: for every point; their specs are rebuilt from the document, which then
     # names the executor), so that a local run's engine starts loading (executors/engine_preload.py) as
     # soon as the driver's own extension modules are in, beside the rest of its work.
@@ -196,6 +198,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         return run_sweep(sweep_with_executor(spec, choice), options)
     return run_job(spec, options)
+
+
+def _check_summary_path(path: str) -> None:
+    """SpecError unless --summary-json PATH can be written: not a directory, in an existing, writable one."""
+    from deepinfer.pipeline.errors import SpecError
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SpecError([f"--summary-json {path}: is a directory; give a file path"])
+    if not os.path.isdir(parent):
+        raise SpecError([f"--summary-json {path}: the directory {parent} does not exist"])
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise SpecError([f"--summary-json {path}: not writable"])
 
 
 def cmd_status(args: argparse.Namespace) -> int:

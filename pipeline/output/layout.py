@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
-from deepinfer.pipeline.errors import ERROR_SCHEMA, JobError
+from deepinfer.pipeline.errors import ERROR_SCHEMA, OutputPathError
 from deepinfer.pipeline.output import storage
 from deepinfer.pipeline.output.encoding import decode_table
 from deepinfer.pipeline.output.lease import LEASE_DIR, process_alive
@@ -56,19 +56,21 @@ class OutputReader:
         return self.path(COMMITS_DIR, f"{part_id}.json")
 
     def _read_json(self, path: str, corrupt: str) -> dict | None:
-        """The JSON object at ``path``; None when absent; JobError(``corrupt``) when it does not parse."""
+        """The JSON object at ``path``; None when absent; OutputPathError(``corrupt``, exit 2: a person must
+        look at the output) when it does not parse."""
         data = storage.read_bytes(self.fs, path)
         if data is None:
             return None
         try:
             return json.loads(data)
         except ValueError as exc:
-            raise JobError(corrupt) from exc
+            raise OutputPathError(corrupt) from exc
 
     def read_job(self) -> dict | None:
         """The ``_job.json`` record, or None when the output holds no job yet."""
         path = self.path(JOB_FILE)
-        return self._read_json(path, f"{path} is not valid JSON: not a deepinfer output")
+        return self._read_json(path, f"{path} is not valid JSON: the output was changed outside deepinfer, "
+                                     "or is not a deepinfer output")
 
     def read_success(self) -> dict | None:
         data = storage.read_bytes(self.fs, self.path(SUCCESS_FILE))
@@ -85,7 +87,9 @@ class OutputReader:
         return {n[: -len(".json")] for n in names if n.endswith(".json") and is_part_id(n[: -len(".json")])}
 
     def read_marker(self, part_id: str) -> dict | None:
-        return self._read_json(self.marker_path(part_id), f"commit marker of part {part_id} is corrupt")
+        path = self.marker_path(part_id)
+        return self._read_json(path, f"commit marker {path} of part {part_id} is not valid JSON (changed "
+                                     "outside deepinfer)")
 
     def read_markers(self) -> dict[str, dict]:
         """part_id -> marker, for every committed part, in part order (fetched concurrently on S3)."""
@@ -96,13 +100,14 @@ class OutputReader:
             try:
                 out[pid] = json.loads(blobs[self.marker_path(pid)])
             except (KeyError, ValueError) as exc:
-                raise JobError(f"commit marker of part {pid} is missing or corrupt") from exc
+                raise OutputPathError(f"commit marker {self.marker_path(pid)} of part {pid} is missing or "
+                                      "not valid JSON (changed outside deepinfer)") from exc
         return out
 
     def read_committed(self, kind: str = PARTS_DIR) -> pa.Table:
         """All committed result rows (``kind="parts"``) or error rows (``"errors"``) in input order.
 
-        Every object's sha256 is checked against its marker; a mismatch raises JobError.
+        Every object's sha256 is checked against its marker; a mismatch raises OutputPathError (exit 2).
         """
         if kind not in (PARTS_DIR, ERRORS_DIR):
             raise ValueError(f"kind must be 'parts' or 'errors', got {kind!r}")
@@ -113,7 +118,9 @@ class OutputReader:
                     continue
                 data = storage.read_bytes(self.fs, self.path(obj["path"]))
                 if data is None or storage.sha256_hex(data) != obj["sha256"]:
-                    raise JobError(f"part {part_id}: {obj['path']} is missing or does not match its marker")
+                    raise OutputPathError(f"part {part_id}: {obj['path']} is missing or does not match its "
+                                          "commit marker (changed outside deepinfer; `deepinfer-job verify` "
+                                          "lists every such file)")
                 tables.append(decode_table(data, marker["format"]))
         if not tables:
             return ERROR_SCHEMA.empty_table() if kind == ERRORS_DIR else pa.table({})

@@ -30,10 +30,11 @@ from typing import Any
 
 import fsspec
 from deepinfer.pipeline.errors import RetryableStorageError
+from deepinfer.pipeline.spec.paths import STORAGE_SCHEMES
 from fsspec.implementations.local import LocalFileSystem
 
 TEMP_PREFIX = ".tmp-"
-SUPPORTED_PROTOCOLS = ("file", "local", "s3", "s3a")
+SUPPORTED_PROTOCOLS = STORAGE_SCHEMES
 
 _RETRYABLE_ERRNOS = {
     errno.ECONNREFUSED,

@@ -24,7 +24,7 @@ from typing import Any
 
 from deepinfer.pipeline.spec.bounds import more_nodes_than
 from deepinfer.pipeline.spec.engine_options import EngineOptions
-from deepinfer.pipeline.spec.paths import output_path_problems
+from deepinfer.pipeline.spec.paths import output_path_problems, scheme_problems
 from deepinfer.pipeline.spec.request_formats import request_format_problems
 from deepinfer.pipeline.spec.safe_yaml import SpecSyntaxError, load_spec_text, parse_override, short
 from deepinfer.pipeline.spec.schema import SpecError, validate_document
@@ -277,6 +277,7 @@ def _semantic_checks(doc: dict) -> None:
     for section in ("input", "output"):
         problems += storage_option_problems(doc[section]["storage_options"], f"{section}.storage_options")
         problems += url_problems(doc[section]["path"], f"{section}.path")
+        problems += scheme_problems(doc[section]["path"], f"{section}.path")
     problems += url_problems(model["path"], "model.path") + url_problems(model["name"], "model.name")
     try:
         _dt.date.fromisoformat(doc["prompt"]["chat_date"])

@@ -15,6 +15,10 @@ import posixpath
 from deepinfer.pipeline.spec.yaml_common import short
 
 _GLOB_CHARS = "*?["
+# The storage deepinfer reads input from and commits output to (output/storage.py opens them): local disk
+# and S3. Any other scheme would fail only when the job runs, as a bug (exit 1) or, for a network scheme
+# whose host does not answer, as a transient failure (exit 75) that no rerun can cure.
+STORAGE_SCHEMES = ("file", "local", "s3", "s3a")
 # Extensions of a single input file (pipeline/stages/read.py lists the same); a path without one that
 # does not exist yet is taken to be a directory, which is the cautious reading for the overlap check.
 _FILE_EXTENSIONS = (".parquet", ".pq", ".jsonl", ".json", ".ndjson", ".gz")
@@ -50,6 +54,17 @@ def input_tree(path: str) -> str | None:
 def _inside(child: str, parent: str) -> bool:
     parent = parent.rstrip("/")
     return child == parent or child.startswith(parent + "/")
+
+
+def scheme_problems(path: str, where: str) -> list[str]:
+    """A URL scheme deepinfer has no storage for (`where`: the field, e.g. input.path)."""
+    if not isinstance(path, str) or not _is_remote(path):
+        return []
+    scheme = path.partition("://")[0].lower()
+    if scheme in STORAGE_SCHEMES:
+        return []
+    return [f"{where}: {short(path)} uses {scheme}://, which deepinfer cannot read or write; use a local "
+            "path or s3://bucket/prefix"]
 
 
 def output_path_problems(output: str, input_path: str) -> list[str]:

@@ -75,6 +75,8 @@ def _format_error(error, schema: dict) -> list[str]:
         if len(unknown) > 10:
             lines.append(f"{_field(path)}: ... and {len(unknown) - 10:,} more unknown fields")
         return lines
+    if error.validator in ("anyOf", "oneOf") and error.context:
+        return _alternatives_error(error, schema)
     hint = ""
     description = error.schema.get("description") if isinstance(error.schema, dict) else None
     if description is None and path:
@@ -83,6 +85,29 @@ def _format_error(error, schema: dict) -> list[str]:
     if description:
         hint = f" (expected: {description})"
     return [_bounded(f"{_field(path)}: {_message(error)}{hint}")]
+
+
+def _alternatives_error(error, schema: dict) -> list[str]:
+    """A value that fits none of a field's forms: what the form of its own kind objects to, rather than
+    jsonschema's bare 'is not valid under any of the given schemas' (a metric name that is no metric: the
+    names there are; a typo inside the object form: that key, with the keys allowed)."""
+    from jsonschema.exceptions import best_match
+
+    kinds = {dict: "object", list: "array"}
+    kind = kinds.get(type(error.instance))
+    branches: dict[int, list] = {}
+    for sub in error.context:
+        branches.setdefault(sub.schema_path[0], []).append(sub)
+    forms = error.validator_value
+    same_kind = [i for i in branches if kind is not None and isinstance(forms[i], dict)
+                 and forms[i].get("type") == kind]
+    chosen = branches[same_kind[0]] if same_kind else list(error.context)
+    lines = _format_error(best_match(chosen), schema)
+    objects = [f for f in forms if isinstance(f, dict) and f.get("type") == "object"]
+    if kind is None and objects:
+        lines = [line + " (or the object form {" + ", ".join(objects[0].get("properties", {})) + "})"
+                 for line in lines]
+    return [_bounded(line) for line in lines]
 
 
 def _message(error) -> str:

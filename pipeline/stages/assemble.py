@@ -211,3 +211,58 @@ def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: di
             type_ = pa.string()
         types[c] = pa.string() if pa.types.is_null(type_) or c == id_column else type_
     return types
+
+
+def absent_columns(listing: list, fmt: str, columns: list[str], storage_options: dict | None,
+                   sample_rows: int = 1000) -> list[str]:
+    """The `columns` no input row has: in no Parquet file's schema, or the key of none of the first
+    `sample_rows` JSONL rows (the sample keep_types_from_jsonl reads); none for an empty JSONL input.
+    A kept column that no row has is a typo (it would be written as nulls, and an eval scored on it would
+    score nothing), so the job refuses it up front."""
+    from deepinfer.pipeline.stages.read import read_rows
+
+    if fmt == "parquet":
+        schemas = [f.schema for f in listing if f.bad is None]
+        return [c for c in columns if schemas and not any(c in s.names for s in schemas)]
+    if fmt != "jsonl":
+        return []
+    seen: set[str] = set()
+    rows = 0
+    for f in listing:
+        take = min(f.num_rows, sample_rows - rows)
+        if take <= 0:
+            break
+        if getattr(f, "bad", None):
+            continue
+        for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0)):
+            if row is not None:
+                seen.update(c for c in columns if c in row)
+        rows += take
+    return [c for c in columns if rows and c not in seen]
+
+
+def refuse_absent_columns(spec, listing: list) -> None:
+    """SpecError naming the field of every kept column of `spec` (a JobSpec: output.keep_columns, or the
+    eval's reference / group / choices column) that no input row has (`absent_columns`)."""
+    from deepinfer.pipeline.errors import SpecError
+
+    absent = absent_columns(listing, spec.input.format, list(spec.output.keep_columns),
+                            spec.input.storage_options)
+    if not absent:
+        return
+    ev = spec.eval
+    fields = {} if ev is None else {c: f"eval.{name}" for name, c in (
+        ("reference_column", ev.reference_column), ("group_by", ev.group_by),
+        ("choices_column", ev.choices_column)) if c}
+    raise SpecError([f"{fields.get(c, 'output.keep_columns')}: no input row has a column {c!r} (check its "
+                     f"spelling against input {spec.input.path})" for c in absent])
+
+
+def keep_types_for(spec, listing: list) -> dict[str, pa.DataType]:
+    """The Arrow types of the id column and the kept columns of `spec`'s job (a JobSpec), from the Parquet
+    footers or a JSONL sample; SpecError first for a kept column no input row has."""
+    cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
+    refuse_absent_columns(spec, listing)
+    if spec.input.format == "parquet":
+        return keep_types_from_parquet(listing, cols)
+    return keep_types_from_jsonl(listing, cols, spec.input.storage_options, id_column=spec.input.id_column)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from deepinfer.pipeline.errors import InputError
+from deepinfer.pipeline.errors import InputError, SpecError
 from deepinfer.pipeline.stages import columns as C
 from deepinfer.pipeline.stages.read import read_rows
 
@@ -207,7 +207,16 @@ class PromptStage:
 
 def model_max_len(model_dir: str | Path, configured: int | None) -> int:
     """The engine's max_model_len: the spec's value, else config.json's max_position_embeddings."""
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError([f"model: {model_dir} has no config.json (a model directory needs a Hugging Face "
+                         "config.json)"]) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SpecError([f"model: {path} is not valid JSON ({exc})"]) from None
+    if not isinstance(config, dict):
+        raise SpecError([f"model: {path} must hold a JSON object, not a {type(config).__name__}"])
     limit = config.get("max_position_embeddings")
     limit = limit or config.get("text_config", {}).get("max_position_embeddings")
     if configured is not None:

@@ -67,6 +67,14 @@ def _is_data_file(path: str, fmt: str) -> bool:
     return not name.startswith(("_", ".")) and name.lower().endswith(EXTENSIONS[fmt])
 
 
+class WrongFormat(ValueError):
+    """The file's bytes are plainly another format than input.format (a Parquet file read as JSONL)."""
+
+
+# A Parquet file starts (and ends) with these bytes; no JSON line does.
+_PARQUET_MAGIC = b"PAR1"
+
+
 def _is_corrupt(exc: BaseException) -> bool:
     """Whether `exc` says the bytes are not valid input (as opposed to storage failing to deliver them)."""
     import gzip
@@ -74,7 +82,8 @@ def _is_corrupt(exc: BaseException) -> bool:
 
     import pyarrow as pa
 
-    if isinstance(exc, (pa.ArrowException, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError)):
+    if isinstance(exc, (WrongFormat, pa.ArrowException, EOFError, zlib.error, gzip.BadGzipFile,
+                        lzma.LZMAError)):
         return True
     # pyarrow reports some decoding failures ("Corrupt snappy compressed data") as a plain OSError. A
     # storage failure while pyarrow reads through fsspec is re-raised as the original exception, raised
@@ -162,6 +171,10 @@ def count_rows(fs, path: str, fmt: str, stride: int = 0) -> tuple[int, tuple[int
     n, pos, offsets = 0, 0, []
     keep = stride > 0 and not _compressed(path)
     with fs.open(path, "rb", compression="infer") as f:
+        if f.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC:
+            # Split on newline bytes, its pages would become rows of garbage, each quarantined.
+            raise WrongFormat("it is a Parquet file (set input.format: parquet)")
+        f.seek(0)
         for line in f:
             if line.strip():
                 if keep and n % stride == 0:

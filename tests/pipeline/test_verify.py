@@ -106,3 +106,21 @@ def test_verify_detects_a_tampered_parquet_part_even_with_its_marker_updated(fin
 def test_verify_of_a_path_without_a_job_is_exit_2(tmp_path, capsys) -> None:
     assert main(["verify", str(tmp_path), "--sample", "1"]) == ExitCode.USAGE
     assert "holds no deepinfer job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_verify_names_a_committed_part_that_no_longer_decodes(finished, tmp_path, capsys, fmt) -> None:
+    out = _copy(finished[fmt], tmp_path / "o")
+    part = sorted((out / "parts").iterdir())[0]
+    part.write_bytes(b"\x00garbage" if fmt == "parquet" else b"{not json\n")
+    assert main(["verify", str(out), "--sample", "10"]) == ExitCode.VERIFY_MISMATCH
+    printed = capsys.readouterr().out
+    assert f"parts/{part.name} cannot be read as {fmt}" in printed
+
+
+@pytest.mark.parametrize("command", ["verify", "status"])
+def test_a_damaged_job_record_is_exit_2_naming_it(finished, tmp_path, capsys, command) -> None:
+    out = _copy(finished["jsonl"], tmp_path / "o")
+    (out / "_job.json").write_text('{"broken')
+    assert main([command, str(out)]) == ExitCode.USAGE
+    assert "_job.json is not valid JSON: the output was changed outside deepinfer" in capsys.readouterr().err
