@@ -34,7 +34,7 @@ from deepinfer.pipeline.spec.load import JobSpec
 from deepinfer.pipeline.stages.assemble import PartAssembler, keep_types_for
 from deepinfer.pipeline.stages.plan import StagePlan, resolve_model_dir
 from deepinfer.pipeline.stages.read import InputFile, list_input
-from deepinfer.pipeline.summary import RunStats, format_summary, utc_now, validate_summary
+from deepinfer.pipeline.summary import RunStats, format_summary, nothing_to_do, utc_now, validate_summary
 
 if TYPE_CHECKING:
     from deepinfer.pipeline.executors.choice import ExecutorChoice
@@ -244,8 +244,8 @@ def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, start
             print(f"deepinfer-job: {spec.output.path} already holds this job, complete; nothing to do",
                   file=sys.stderr)
             summary = store.stored_summary()
-            if summary is not None:
-                _report(summary, options)
+            if summary is not None:   # the job's totals; this call's own figures (it did nothing)
+                _report(nothing_to_do(summary, stats), options)
             return 0
         store.clear_failure()
         stats.rows_total, stats.parts_total = sum(p.num_rows for p in parts), len(parts)

@@ -319,6 +319,25 @@ class RunStats:
         }
 
 
+def nothing_to_do(stored: dict, stats: RunStats) -> dict:
+    """The summary of a submit that found its job complete: the job's totals from the run that completed
+    it (`stored`), and this call's own figures (`stats`' times): nothing committed, generated or started,
+    every part and row resumed."""
+    rows, parts = stored["rows"], stored["parts"]
+    return {
+        **stored, "started_at": stats.started_at, "finished_at": utc_now(),
+        "wall_seconds": round(time.monotonic() - stats.start, 3),
+        "time_to_first_token_s": None, "time_to_first_commit_s": None, "startup": {},
+        "rows": {**rows, "this_run": 0, "resumed": rows["ok"] + rows["errored"]},
+        "parts": {**parts, "committed_this_run": 0, "resumed": parts["total"]},
+        "committed_by_others": {"parts": 0, "rows": 0},
+        "commits": {**stored["commits"], "by_node": [], "parts": []},
+        "tokens": {"prompt": 0, "output": 0, "output_per_second": 0.0},
+        "engines": [], "speculative": speculative_section({}),
+        "driver_peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+
+
 def validate_summary(summary: dict) -> None:
     """Raise jsonschema.ValidationError if `summary` breaks schemas/summary.schema.json (a bug)."""
     from deepinfer.pipeline.spec.schema import load_schema

@@ -251,6 +251,22 @@ def classify(exc: BaseException) -> tuple[int, str]:
     return classify_exception(exc)
 
 
+# Commands that only read and print: a closed stdout (`| head`) ends them with exit 0.
+READ_ONLY_COMMANDS = ("validate", "status", "plan", "report")
+
+
+def _stdout_gone() -> bool:
+    """Point stdout at /dev/null (its reader went away), so that no later flush fails too. A read-only
+    command meets a raw BrokenPipeError only on stdout: storage errors come wrapped (output/storage.py)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):   # no real stdout (an in-process caller's capture): nothing to redirect
+        pass
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code (also when called in-process)."""
     parser = build_parser()
@@ -270,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(f"{what}; committed parts are kept and the next submit resumes from them")
         return ExitCode.RETRY
     except Exception as exc:  # RecursionError and MemoryError included: never a traceback
+        # `deepinfer-job status ... | head`: the reader of a read-only command's output stopped reading,
+        # which is no failure (a submit or verify keeps the meaning of its exit code).
+        if isinstance(exc, BrokenPipeError) and args.command in READ_ONLY_COMMANDS and _stdout_gone():
+            return ExitCode.OK
         code, message = classify(exc)
         _err(message)
         if code == ExitCode.BUG:

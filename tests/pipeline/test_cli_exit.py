@@ -5,8 +5,11 @@ summary, the summary JSON and the committed output are all there and right, on s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from deepinfer.pipeline.cli.main import main
 
 from tests.support.cli_harness import cli, reader, write_jsonl
@@ -51,3 +54,17 @@ def test_failures_keep_their_exit_code_and_message(tmp_path, model_dir):
 
 def test_main_in_process_returns_its_code(tmp_path):
     assert main(["validate", str(tmp_path / "missing.yaml")]) == 2   # returned, not exited
+
+
+@pytest.mark.parametrize("args", [("status", "{out}"), ("status", "{out}", "--json"), ("validate", "{spec}")])
+def test_a_read_only_command_whose_reader_stops_exits_0(tmp_path, args):
+    """`deepinfer-job status ... | head`: stdout's reader is gone before the command writes; that is no
+    failure (it exited 75, 'retryable failure: BrokenPipeError', before)."""
+    spec = _spec(tmp_path, "demo")
+    argv = [a.format(out=tmp_path / "out", spec=spec) for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.pipeline.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "BrokenPipe" not in err

@@ -195,8 +195,14 @@ def test_resume_skips_committed_parts_and_gives_identical_bytes(tmp_path, model_
     assert summary["rows"]["resumed"] == 4 and summary["rows"]["this_run"] == 3
 
     capsys.readouterr()
-    assert main(["submit", spec]) == 0  # complete: nothing to do
+    assert main(["submit", spec, "--summary-json", str(summary_path)]) == 0  # complete: nothing to do
     assert "nothing to do" in capsys.readouterr().err
+    # This call's own figures (it committed and generated nothing), the job's totals (schema-valid).
+    noop = json.loads(summary_path.read_text())
+    validate_summary(noop)
+    assert noop["parts"] == {"total": 4, "committed_this_run": 0, "resumed": 4}
+    assert noop["rows"]["this_run"] == 0 and noop["rows"]["resumed"] == 7 == noop["rows"]["total"]
+    assert noop["tokens"]["output"] == 0 and noop["engines"] == [] and noop["wall_seconds"] < 30
     assert main(["status", str(out), "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert status["state"] == "complete" and status["committed_parts"] == 4
