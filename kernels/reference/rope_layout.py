@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from deepinfer.kernels._checks import check_same_dtype, check_tensor
+from deepinfer.kernels.reference.activation import pairs_to_halves
 
 
 def interleave_head_halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -31,9 +32,9 @@ def interleave_head_halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def head_pairs_to_halves(out: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The inverse of `interleave_head_halves` on a GEMM output's columns: [M, heads * head_dim] with each
-    head's columns in pair order -> the original order (a new contiguous tensor)."""
-    m, n = out.shape
-    return out.view(m, n // head_dim, head_dim // 2, 2).transpose(-1, -2).reshape(m, n)
+    head's columns in pair order -> the original order (a new contiguous tensor): activation.pairs_to_halves
+    of every head's row."""
+    return pairs_to_halves(out.reshape(-1, head_dim)).view(out.shape)
 
 
 @dataclass(frozen=True)

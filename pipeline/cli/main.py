@@ -255,7 +255,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
 READ_ONLY_COMMANDS = ("validate", "status", "plan", "report")
 
 
-def _stdout_gone() -> bool:
+def _silence_stdout() -> None:
     """Point stdout at /dev/null (its reader went away), so that no later flush fails too. A read-only
     command meets a raw BrokenPipeError only on stdout: storage errors come wrapped (output/storage.py)."""
     try:
@@ -264,7 +264,6 @@ def _stdout_gone() -> bool:
         os.close(devnull)
     except (OSError, ValueError):   # no real stdout (an in-process caller's capture): nothing to redirect
         pass
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -288,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # RecursionError and MemoryError included: never a traceback
         # `deepinfer-job status ... | head`: the reader of a read-only command's output stopped reading,
         # which is no failure (a submit or verify keeps the meaning of its exit code).
-        if isinstance(exc, BrokenPipeError) and args.command in READ_ONLY_COMMANDS and _stdout_gone():
+        if isinstance(exc, BrokenPipeError) and args.command in READ_ONLY_COMMANDS:
+            _silence_stdout()
             return ExitCode.OK
         code, message = classify(exc)
         _err(message)

@@ -178,35 +178,41 @@ def keep_types_from_parquet(listing: list, columns: list[str]) -> dict[str, pa.D
     return types
 
 
+def jsonl_sample(listing: list, storage_options: dict | None, sample_rows: int = 1000) -> list[dict | None]:
+    """The input's first `sample_rows` JSONL rows (None for a line that is not a JSON object), skipping an
+    unreadable file (on_bad_file: quarantine): the one read that the kept columns' types and presence are
+    judged on."""
+    from deepinfer.pipeline.stages.read import read_rows
+
+    rows: list[dict | None] = []
+    for f in listing:
+        take = min(f.num_rows, sample_rows - len(rows))
+        if take <= 0:
+            break
+        if getattr(f, "bad", None):  # an unreadable file has no values
+            continue
+        rows += [row for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0))]
+    return rows
+
+
 def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: dict | None,
-                          sample_rows: int = 1000, id_column: str | None = None) -> dict[str, pa.DataType]:
-    """Arrow types for kept JSONL columns, inferred once from the input's first `sample_rows` rows.
+                          sample_rows: int = 1000, id_column: str | None = None,
+                          sample: list[dict | None] | None = None) -> dict[str, pa.DataType]:
+    """Arrow types for kept JSONL columns, inferred once from the input's first `sample_rows` rows
+    (`jsonl_sample`, or `sample` when the caller read it already).
 
     JSON has no schema, so the job fixes one from a sample that depends only on the input: every part
     (also an empty one, also on resume) then gets the same column types. Columns that are null throughout
     the sample are strings; values that do not fit the type fall back to inference for their part. The id
     column is always a string column: a sample cannot promise that no later row has a string id.
     """
-    from deepinfer.pipeline.stages.read import read_rows
-
     if not columns:
         return {}
-    values: dict[str, list] = {c: [] for c in columns}
-    seen = 0
-    for f in listing:
-        take = min(f.num_rows, sample_rows - seen)
-        if take <= 0:
-            break
-        if getattr(f, "bad", None):  # an unreadable file (on_bad_file: quarantine) has no values
-            continue
-        for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0)):
-            for c in columns:
-                values[c].append(row.get(c) if row is not None else None)
-        seen += take
+    rows = jsonl_sample(listing, storage_options, sample_rows) if sample is None else sample
     types = {}
-    for c, vals in values.items():
+    for c in columns:
         try:
-            type_ = pa.array(vals).type
+            type_ = pa.array([row.get(c) if row is not None else None for row in rows]).type
         except _ARROW_ERRORS:
             type_ = pa.string()
         types[c] = pa.string() if pa.types.is_null(type_) or c == id_column else type_
@@ -214,40 +220,25 @@ def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: di
 
 
 def absent_columns(listing: list, fmt: str, columns: list[str], storage_options: dict | None,
-                   sample_rows: int = 1000) -> list[str]:
-    """The `columns` no input row has: in no Parquet file's schema, or the key of none of the first
-    `sample_rows` JSONL rows (the sample keep_types_from_jsonl reads); none for an empty JSONL input.
-    A kept column that no row has is a typo (it would be written as nulls, and an eval scored on it would
-    score nothing), so the job refuses it up front."""
-    from deepinfer.pipeline.stages.read import read_rows
-
+                   sample: list[dict | None] | None = None) -> list[str]:
+    """The `columns` no input row has: in no Parquet file's schema, or the key of no row of the JSONL
+    sample (`jsonl_sample`, or `sample`); none for an empty JSONL input. A kept column that no row has is a
+    typo (it would be written as nulls, and an eval scored on it would score nothing), so the job refuses
+    it up front."""
     if fmt == "parquet":
         schemas = [f.schema for f in listing if f.bad is None]
         return [c for c in columns if schemas and not any(c in s.names for s in schemas)]
     if fmt != "jsonl":
         return []
-    seen: set[str] = set()
-    rows = 0
-    for f in listing:
-        take = min(f.num_rows, sample_rows - rows)
-        if take <= 0:
-            break
-        if getattr(f, "bad", None):
-            continue
-        for row, _ in read_rows(f.url, "jsonl", 0, take, storage_options, f.offset_of(0)):
-            if row is not None:
-                seen.update(c for c in columns if c in row)
-        rows += take
-    return [c for c in columns if rows and c not in seen]
+    rows = jsonl_sample(listing, storage_options) if sample is None else sample
+    return [c for c in columns if rows and not any(row is not None and c in row for row in rows)]
 
 
-def refuse_absent_columns(spec, listing: list) -> None:
+def _refuse_absent(spec, absent: list[str]) -> None:
     """SpecError naming the field of every kept column of `spec` (a JobSpec: output.keep_columns, or the
-    eval's reference / group / choices column) that no input row has (`absent_columns`)."""
+    eval's reference / group / choices column) in `absent`."""
     from deepinfer.pipeline.errors import SpecError
 
-    absent = absent_columns(listing, spec.input.format, list(spec.output.keep_columns),
-                            spec.input.storage_options)
     if not absent:
         return
     ev = spec.eval
@@ -260,9 +251,12 @@ def refuse_absent_columns(spec, listing: list) -> None:
 
 def keep_types_for(spec, listing: list) -> dict[str, pa.DataType]:
     """The Arrow types of the id column and the kept columns of `spec`'s job (a JobSpec), from the Parquet
-    footers or a JSONL sample; SpecError first for a kept column no input row has."""
+    footers or one JSONL sample; SpecError first for a kept column no input row has."""
     cols = [c for c in (spec.input.id_column, *spec.output.keep_columns) if c]
-    refuse_absent_columns(spec, listing)
-    if spec.input.format == "parquet":
+    keep, fmt, options = list(spec.output.keep_columns), spec.input.format, spec.input.storage_options
+    if fmt == "parquet":
+        _refuse_absent(spec, absent_columns(listing, fmt, keep, options))
         return keep_types_from_parquet(listing, cols)
-    return keep_types_from_jsonl(listing, cols, spec.input.storage_options, id_column=spec.input.id_column)
+    sample = jsonl_sample(listing, options) if cols else []
+    _refuse_absent(spec, absent_columns(listing, fmt, keep, options, sample))
+    return keep_types_from_jsonl(listing, cols, options, id_column=spec.input.id_column, sample=sample)
