@@ -29,7 +29,12 @@ from deepinfer.kernels.reference.rope_layout import RopeStore, qkv_rope_store_re
 def rotate_half_rounded(x1, x2, c1, c2, s1, s2, like_ptr):
     """(first, second) halves of x * cos + rotate_half(x) * sin (float32 inputs), each product and the sum
     rounded to like_ptr's element type the way torch's elementwise ops round them. Shared by the rotary +
-    KV-store kernel and this epilogue, so both compute the same bits."""
+    KV-store kernel and this epilogue, so both compute the same bits.
+
+    Every kernel calling it compiles with enable_fp_fusion=False: otherwise LLVM narrows the rounded
+    products to 16-bit multiplies and fuses one of them with the sum into an fma.rn.bf16, dropping that
+    product's rounding (on the H200 a fifth of q / k elements then differed by an ulp; the CPU interpreter
+    never fuses)."""
     DTYPE = like_ptr.dtype.element_ty
     a1 = (x1 * c1).to(DTYPE).to(tl.float32)
     b1 = ((-x2) * s1).to(DTYPE).to(tl.float32)
@@ -121,16 +126,18 @@ def gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_o
 
 def rope_kernel_args(rope: RopeStore | None, out: torch.Tensor, chunks: int = 1) -> tuple[tuple, dict]:
     """The GEMM kernels' rope operands: (cos, sin, cos row stride, k cache, v cache, slots, cache strides
-    per block / slot / head) and their constexprs (`chunks`: `rope_epilogue_chunks` of the config);
-    placeholders (never read) without a rope epilogue."""
+    per block / slot / head) and their constexprs and compile options (`chunks`: `rope_epilogue_chunks` of
+    the config); placeholders (never read) without a rope epilogue."""
     if rope is None:
         return ((out, out, 0, out, out, out, 0, 0, 0),
                 dict(ROPE=0, HEAD_DIM=2, Q_COLS=0, KV_COLS=0, CACHE_BLOCK=1))
     kc = rope.k_cache
+    # enable_fp_fusion=False: rotate_half_rounded's roundings survive compilation (its docstring). The rest
+    # of the kernel has no multiply-add outside its MMAs, so this changes no other bit.
     return ((rope.cos, rope.sin, rope.cos.stride(0), kc, rope.v_cache, rope.slot_mapping, kc.stride(0),
              kc.stride(1), kc.stride(2)),
             dict(ROPE=chunks, HEAD_DIM=rope.head_dim, Q_COLS=rope.q_cols, KV_COLS=rope.kv_cols,
-                 CACHE_BLOCK=kc.shape[1]))
+                 CACHE_BLOCK=kc.shape[1], enable_fp_fusion=False))
 
 
 
