@@ -55,8 +55,7 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
                 "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step"),
                 "reduce": ("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM",
                            "split-K partials reduced in their own kernel, not in the next RMSNorm"),
-                "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened"),
-                "rope": ("DEEPINFER_ROPE_EPILOGUE", "rotary + KV store in the qkv GEMM's epilogue")}
+                "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened")}
 # Arm suffixes that move paged attention's split-KV threshold (kernels/paged_attention.SPLIT_FROM, 1,024) for
 # the arm, where the shape's tiles split at all: an A/B of a layout change before it ships. Rows past the
 # threshold change their bits, so such an arm's tokens are compared with its own first run only.

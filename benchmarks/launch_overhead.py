@@ -51,7 +51,6 @@ def arms(m: int) -> dict:
     from deepinfer.kernels.matmul import MatmulPlanner, bi_linear
     from deepinfer.kernels.matmul_tma import _bi_linear_tma_kernel, tma_usable
     from deepinfer.kernels.rmsnorm import _rms_norm_kernel, rms_norm
-    from deepinfer.kernels.rope_epilogue import rope_kernel_args
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     dev = torch.device("cuda")
@@ -69,12 +68,9 @@ def arms(m: int) -> dict:
     programs = min(torch.cuda.get_device_properties(dev).multi_processor_count,
                    -(-m // bm) * -(-n // bn)) if cfg.persistent else -(-m // bm) * -(-n // bn)
 
-    no_rope, no_rope_consts = rope_kernel_args(None, out)
-
     def tma_kernel():
         _bi_linear_tma_kernel[(programs,)](
-            x_desc, w_desc, b, out, m, n, k, out.stride(0), out.stride(1), *no_rope, **no_rope_consts,
-            HAS_BIAS=True,
+            x_desc, w_desc, b, out, m, n, k, out.stride(0), out.stride(1), HAS_BIAS=True,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
 

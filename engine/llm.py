@@ -24,7 +24,6 @@ from deepinfer.engine.core.request_feed import FEED_CHUNK, QUEUE_ALL_ENV, Reques
 from deepinfer.engine.core.scheduler import Scheduler
 from deepinfer.engine.core.sequence import Sequence
 from deepinfer.engine.core.window_blocks import make_block_manager
-from deepinfer.engine.layers.attention import order_qkv_for_rope
 from deepinfer.engine.layers.backends import make_ops
 from deepinfer.engine.models.config import ModelConfig
 from deepinfer.engine.models.loader import iter_weights, resolve_dtype, resolve_model_dir
@@ -174,7 +173,6 @@ class LLM:
             load_with_plan(self.model, mtp.collect(weights) if mtp else weights, self.quant_plan)
         else:
             raise ValueError(f"load_format={load_format!r}: expected 'auto' or 'dummy'")
-        order_qkv_for_rope(self.model, kv_dtype)   # where rotary + KV store run in the qkv GEMM's epilogue
         self.startup_marks["weights_loaded"] = time.time()
         spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, block_size, kv_dtype)
         check_kv_layout(self.model, kv_dtype)

@@ -35,11 +35,9 @@ import triton
 import triton.language as tl
 from deepinfer.kernels._checks import check_same_dtype, check_tensor, num_sms, stages_that_fit
 from deepinfer.kernels.bucket_planner import BucketPlanner, outputs_agree, probe_rows
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, split_ranges
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, k_chain, linear_epilogue, split_ranges
 from deepinfer.kernels.matmul_split import SplitSum, split_launch, split_partials
 from deepinfer.kernels.matmul_tma import tma_launch, tma_usable
-from deepinfer.kernels.reference.rope_layout import RopeStore
-from deepinfer.kernels.rope_epilogue import gemm_epilogue, rope_after, rope_epilogue_chunks, rope_kernel_args
 
 
 @dataclass(frozen=True)
@@ -245,12 +243,9 @@ def _bi_linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    cos_ptr, sin_ptr, stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0,
-    ROPE: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2, Q_COLS: tl.constexpr = 0, KV_COLS: tl.constexpr = 0,
-    CACHE_BLOCK: tl.constexpr = 1,
 ):
     # SPLITS > 1: the serial form of a fixed-order split-K (kernels/matmul_split.py): ranges of K_PER_SPLIT
     # k-tiles, each a chain from zero, summed in range order as they finish.
@@ -283,9 +278,8 @@ def _bi_linear_kernel(
                 acc += k_chain(zero, x_ptrs + step * stride_xk, w_ptrs + step * stride_wk, offs_k, K, k_first,
                                tl.minimum(k_first + K_PER_SPLIT, k_tiles), stride_xk, stride_wk, EVEN_K, IEEE,
                                BLOCK_K)
-        gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, cos_ptr, sin_ptr,
-                      stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, SWIGLU,
-                      BLOCK_N, ROPE, HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWIGLU,
+                        BLOCK_N)
 
 
 def bi_linear(
@@ -297,7 +291,6 @@ def bi_linear(
     planner: MatmulPlanner | None = None,
     swiglu: bool = False,
     defer_sum: bool = False,
-    rope: RopeStore | None = None,
 ) -> torch.Tensor | SplitSum:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, batch-invariant.
 
@@ -309,10 +302,6 @@ def bi_linear(
     same rounded elements, the same activation).
     `defer_sum`: where the config is a parallel split-K, return its partials unsummed (a `SplitSum`, for a
     consumer that sums them in the same order: kernels/rmsnorm.py); a tensor otherwise.
-    `rope`: `weight` is a merged qkv weight whose rows are in per-head pair order (kernels/reference/
-    rope_layout.py); the result is the rotated q [M, Hq * D] and the rotated k and v are stored into
-    `rope`'s caches, in the GEMM's epilogue (kernels/rope_epilogue.py): bitwise this function's output on
-    the original rows followed by kernels/rotary_store.rotary_store_kv.
     """
     check_tensor("x", x, ndim=2)
     check_tensor("weight", weight, ndim=2, device=x.device)
@@ -328,25 +317,15 @@ def bi_linear(
             raise ValueError(f"bias: shape {tuple(bias.shape)}, expected ({n},)")
     if swiglu and n % 2:
         raise ValueError(f"weight: {n} rows, expected an even count (gate and up) for swiglu")
-    if rope is not None:
-        if swiglu:
-            raise ValueError("bi_linear: swiglu and rope are epilogues of different projections; pass one")
-        rope.check(x, weight)
-    out = torch.empty((m, n // 2 if swiglu else rope.q_cols if rope else n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if rope is not None and k == 0:
-        return rope_after(bi_linear(x, weight, bias), rope)
     if k == 0:
         plain = torch.empty((m, n), dtype=x.dtype, device=x.device) if swiglu else out
         plain = plain.zero_() if bias is None else plain.copy_(bias.expand(m, n))
         return _swiglu_after(plain) if swiglu else plain
     cfg = (config if config is not None else _choose(x, weight, bias, planner)).fit_to_device(
         x.element_size(), x.device)
-    chunks = rope_epilogue_chunks(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k, cfg.serial_split)
-    if rope is not None and not chunks:
-        # No rope form here: its plain result, then the rotary + KV-store kernel on the columns in order.
-        return rope_after(bi_linear(x, weight, bias, config=cfg), rope)
     if cfg.split_k > 1 and not cfg.serial_split:
         if swiglu:
             # No SWIGLU form of the parallel split: its plain result, then the same activation on its pairs.
@@ -365,17 +344,14 @@ def bi_linear(
     # The TMA kernel has no IEEE (full float32) dot: float32 operands keep pointer loads and IEEE dots.
     if cfg.tma and x.dtype != torch.float32 and tma_usable(x, weight):
         return tma_launch(x, weight, bias, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits, cfg.flatten, rope,
-                          chunks)
-    rope_args, rope_consts = rope_kernel_args(rope, out, chunks)
+                          cfg.num_warps, cfg.num_stages, programs, swiglu, splits, cfg.flatten)
     _bi_linear_kernel[(programs,)](
         x, weight, bias if bias is not None else x, out,
         m, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        *rope_args,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SWIGLU=int(swiglu), SPLITS=splits, K_PER_SPLIT=split_ranges(k, cfg.block_k, splits), **rope_consts,
+        SWIGLU=int(swiglu), SPLITS=splits, K_PER_SPLIT=split_ranges(k, cfg.block_k, splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

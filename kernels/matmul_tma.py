@@ -23,10 +23,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from deepinfer.kernels.gemm_parts import grouped_tile_ids, split_ranges, store_partial
+from deepinfer.kernels.gemm_parts import grouped_tile_ids, linear_epilogue, split_ranges, store_partial
 from deepinfer.kernels.pdl import pdl_options, wait_for_producers
-from deepinfer.kernels.reference.rope_layout import RopeStore
-from deepinfer.kernels.rope_epilogue import gemm_epilogue, rope_kernel_args
 
 
 @functools.cache
@@ -63,15 +61,11 @@ def tma_k_chain(x_desc, w_desc, row0, col0, k_first, k_last, BLOCK_M: tl.constex
 def _bi_linear_tma_kernel(
     x_desc, w_desc, b_ptr, out_ptr,
     M, N, K, stride_om, stride_on,
-    cos_ptr, sin_ptr, stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWIGLU: tl.constexpr = 0, SPLITS: tl.constexpr = 1, K_PER_SPLIT: tl.constexpr = 0, PDL: tl.constexpr = 0,
-    FLATTEN: tl.constexpr = 0, ROPE: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 2, Q_COLS: tl.constexpr = 0,
-    KV_COLS: tl.constexpr = 0, CACHE_BLOCK: tl.constexpr = 1,
+    FLATTEN: tl.constexpr = 0,
 ):
-    # ROPE: the merged qkv projection's epilogue (kernels/rope_epilogue.py): out_ptr is the rotated q, k and
-    # v go into the caches; the cos / sin / cache operands are read only then.
     # SPLITS > 1: the serial form of a fixed-order split-K (MatmulConfig.serial_split): the ranges of
     # K_PER_SPLIT k-tiles one after another, each its own chain from zero, summed in range order as they
     # finish: ((p0 + p1) + p2) ..., the bits of the parallel form (_bi_linear_tma_split_kernel + reduce).
@@ -100,9 +94,8 @@ def _bi_linear_tma_kernel(
                                    tl.minimum(k_first + K_PER_SPLIT, k_tiles), BLOCK_M, BLOCK_N, BLOCK_K)
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = col0 + tl.arange(0, BLOCK_N)
-        gemm_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, cos_ptr, sin_ptr,
-                      stride_cos, kc_ptr, vc_ptr, slot_ptr, stride_cb, stride_cs, stride_ch, HAS_BIAS, SWIGLU,
-                      BLOCK_N, ROPE, HEAD_DIM, Q_COLS, KV_COLS, CACHE_BLOCK)
+        linear_epilogue(acc, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWIGLU,
+                        BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -138,26 +131,22 @@ def _descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: i
 
 def tma_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int,
-               programs: int, swiglu: bool = False, splits: int = 1, flatten: bool = False,
-               rope: RopeStore | None = None, rope_chunks: int = 1) -> torch.Tensor:
+               programs: int, swiglu: bool = False, splits: int = 1, flatten: bool = False) -> torch.Tensor:
     """out = x @ weight.T (+ bias) with TMA tile loads; the caller checked `tma_usable(x, weight)` and
     chose the config and program count (kernels/matmul.bi_linear); `swiglu`: the SWIGLU epilogue
-    (gemm_parts.linear_epilogue), `out` then [M, N / 2]; `rope`: the qkv projection's rotary + KV-store
-    epilogue (kernels/rope_epilogue.py; `rope_chunks`: its `rope_epilogue_chunks`), `out` then the rotated q
-    [M, Hq * D]; `splits` > 1: the serial form
-    of that fixed-order split-K (ranges of `split_ranges(K, block_k, splits)` k-tiles); `flatten`: the tile
-    loop pipelined with the K loop (ignored with a serial split)."""
+    (gemm_parts.linear_epilogue), `out` then [M, N / 2]; `splits` > 1: the serial form of that fixed-order
+    split-K (ranges of `split_ranges(K, block_k, splits)` k-tiles); `flatten`: the tile loop pipelined with
+    the K loop (ignored with a serial split)."""
     m, k = x.shape
     n = weight.shape[0]
     x_desc, w_desc = _descriptors(x, weight, block_m, block_n, block_k)
-    rope_args, rope_consts = rope_kernel_args(rope, out, rope_chunks)
     _bi_linear_tma_kernel[(programs,)](
         x_desc, w_desc, bias if bias is not None else out, out,
-        m, n, k, out.stride(0), out.stride(1), *rope_args,
+        m, n, k, out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, SWIGLU=int(swiglu),
         SPLITS=splits, K_PER_SPLIT=split_ranges(k, block_k, splits), FLATTEN=int(flatten and splits == 1),
-        **rope_consts, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )
     return out
 

@@ -26,11 +26,25 @@ from deepinfer.kernels.kv_fp8 import quantize_e4m3
 from deepinfer.kernels.pdl import pdl_options, wait_for_producers
 from deepinfer.kernels.reference.kv_fp8 import FP8_DTYPE, FP8_MAX
 from deepinfer.kernels.reference.rotary_store import check_rotary_store_args, check_rotary_store_fp8_args
-from deepinfer.kernels.rope_epilogue import rotate_half_rounded
 
 # Elements (heads x head_dim) one program handles: enough work per program to hide load latency, small
 # enough that a decode step of a few tokens still spreads over many SMs.
 _ELEMS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _rotate_half(x1, x2, c1, c2, s1, s2, out_ptr):
+    """(first, second) halves of x * cos + rotate_half(x) * sin (float32 inputs), each product and the sum
+    rounded to out_ptr's element type the way torch's elementwise ops round them. Those roundings hold
+    because the kernel compiles with enable_fp_fusion=False: with fusion, LLVM narrows the rounded products
+    to 16-bit multiplies and fuses one into the sum (an fma.rn.bf16, one rounding fewer; seen on the H200
+    in a GEMM epilogue with this arithmetic, benchmarks/RESULTS.md 2026-12-05 02:40)."""
+    DTYPE = out_ptr.dtype.element_ty
+    a1 = (x1 * c1).to(DTYPE).to(tl.float32)
+    b1 = ((-x2) * s1).to(DTYPE).to(tl.float32)
+    a2 = (x2 * c2).to(DTYPE).to(tl.float32)
+    b2 = (x1 * s2).to(DTYPE).to(tl.float32)
+    return (a1 + b1).to(DTYPE), (a2 + b2).to(DTYPE)
 
 
 @triton.jit
@@ -59,7 +73,7 @@ def _rotary_store_kv_kernel(
         q_src = q_ptr + t * stride_qt + qh * stride_qh + d
         q1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_src + HALF, mask=q_mask, other=0.0).to(tl.float32)
-        q_rot1, q_rot2 = rotate_half_rounded(q1, q2, c1, c2, s1, s2, q_out_ptr)
+        q_rot1, q_rot2 = _rotate_half(q1, q2, c1, c2, s1, s2, q_out_ptr)
         q_dst = q_out_ptr + t * stride_ot + qh * stride_oh + d
         tl.store(q_dst, q_rot1, mask=q_mask)
         tl.store(q_dst + HALF, q_rot2, mask=q_mask)
@@ -79,7 +93,7 @@ def _rotary_store_kv_kernel(
             if KV_FP8:
                 # Rotated k rounded to the activation dtype (q_out's) first: what the unfused rotary hands
                 # store_kv_fp8; then the same per-head quantization as that kernel, elementwise.
-                k_rot1, k_rot2 = rotate_half_rounded(k1, k2, c1, c2, s1, s2, q_out_ptr)
+                k_rot1, k_rot2 = _rotate_half(k1, k2, c1, c2, s1, s2, q_out_ptr)
                 ks = tl.load(k_scale_ptr + kh, mask=kh < NUM_KV_HEADS, other=1.0)
                 vs = tl.load(v_scale_ptr + kh, mask=kh < NUM_KV_HEADS, other=1.0)
                 tl.store(k_dst, quantize_e4m3(k_rot1.to(tl.float32), ks, QMAX, k_cache_ptr), mask=kv_mask)
@@ -90,7 +104,7 @@ def _rotary_store_kv_kernel(
                 tl.store(v_dst, quantize_e4m3(v1, vs, QMAX, v_cache_ptr), mask=kv_mask)
                 tl.store(v_dst + HALF, quantize_e4m3(v2, vs, QMAX, v_cache_ptr), mask=kv_mask)
             else:
-                k_rot1, k_rot2 = rotate_half_rounded(k1, k2, c1, c2, s1, s2, k_cache_ptr)
+                k_rot1, k_rot2 = _rotate_half(k1, k2, c1, c2, s1, s2, k_cache_ptr)
                 tl.store(k_dst, k_rot1, mask=kv_mask)
                 tl.store(k_dst + HALF, k_rot2, mask=kv_mask)
                 tl.store(v_dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)

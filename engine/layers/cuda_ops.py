@@ -14,7 +14,6 @@ from deepinfer.kernels.reference.v4_attention import KeySource
 
 if TYPE_CHECKING:
     from deepinfer.kernels.matmul_split import SplitSum
-    from deepinfer.kernels.reference.rope_layout import RopeStore
 
 
 def _kernels():
@@ -39,10 +38,6 @@ DISABLE_FUSED_FP8_QUANT_ENV = "DEEPINFER_DISABLE_FUSED_FP8_QUANT"
 # SiLU-and-mul (or its fused quantizer) reads it back; the same bits.
 DISABLE_SWIGLU_EPILOGUE_ENV = "DEEPINFER_DISABLE_SWIGLU_EPILOGUE"
 
-# 1: rotary + KV store run in the merged qkv projection's GEMM epilogue (Ops.rope_in_16bit_qkv, the
-# deterministic 16-bit GEMM; the same bits as the rotary + KV-store kernel after the GEMM). 0 (the default
-# until a GPU run has measured it: it was built and checked without a device) keeps the kernel.
-ROPE_EPILOGUE_ENV = "DEEPINFER_ROPE_EPILOGUE"
 # Set to 1 to reduce a parallel split-K's partials in their own kernel before the RMSNorm that follows the
 # projection (Ops.linear_into_norm), instead of inside that norm's kernel; the same bits.
 DISABLE_SPLIT_SUM_IN_NORM_ENV = "DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM"
@@ -308,8 +303,6 @@ class CudaInvariantOps(_CudaOps):
         self._planner = self._matmul.MatmulPlanner(
             flatten=os.environ.get(DISABLE_GEMM_FLATTEN_ENV, "").strip() != "1")
         self.swiglu_in_16bit_gate_up = self._swiglu_epilogue
-        # The rotary kernel's own switch turns this one off too: one A/B switch for "rotary unfused".
-        self.rope_in_16bit_qkv = self.fused_rope and os.environ.get(ROPE_EPILOGUE_ENV, "").strip() == "1"
         self._sum_in_norm = os.environ.get(DISABLE_SPLIT_SUM_IN_NORM_ENV, "").strip() != "1"
         from deepinfer.kernels.fp8_block_plan import BlockPlanner
         from deepinfer.kernels.fp8_rowwise import RowwisePlanner
@@ -325,10 +318,6 @@ class CudaInvariantOps(_CudaOps):
     def swiglu_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._matmul.bi_linear(x, weight, bias, planner=self._planner, swiglu=True)
-
-    def qkv_rope_store(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor:
-        return self._matmul.bi_linear(x, weight, bias, planner=self._planner, rope=rope)
 
     def linear_into_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          ) -> torch.Tensor | SplitSum:

@@ -18,7 +18,6 @@ from deepinfer.kernels.reference.attention import paged_attention_ref
 from deepinfer.kernels.reference.fp8_matmul import fp8_linear_quantized_ref, fp8_linear_ref, quantize_act_ref
 from deepinfer.kernels.reference.kv_fp8 import store_kv_fp8_ref
 from deepinfer.kernels.reference.mla import chunked_mla_attention, split_kv_b, store_mla_ref
-from deepinfer.kernels.reference.rope_layout import RopeStore, qkv_rope_store_ref
 from deepinfer.kernels.reference.rotary_store import rotate_half_ref
 from deepinfer.kernels.reference.store_kv import store_kv_ref
 from deepinfer.kernels.reference.v4_attention import KeySource, gather_keys, sink_attention
@@ -76,10 +75,6 @@ class Ops:
     swiglu_in_gate_up = False
     # The same for a 16-bit gate_up projection (`swiglu_linear`): the deterministic CUDA backend's.
     swiglu_in_16bit_gate_up = False
-    # Whether a 16-bit merged qkv projection runs rotary + KV store in its GEMM's epilogue
-    # (`qkv_rope_store`, its weight rows put in per-head pair order at load by engine/layers/attention.py):
-    # the deterministic CUDA backend's.
-    rope_in_16bit_qkv = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
@@ -197,19 +192,6 @@ class Ops:
         q, k = rotate_half_ref(q, cos, sin), rotate_half_ref(k, cos, sin)
         self.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
-
-    def qkv_rope_store(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       rope: RopeStore) -> torch.Tensor:
-        """The merged qkv projection of x [T, K] by a weight (and bias) whose rows are in per-head pair order
-        (kernels/reference/rope_layout.py), then `rotary_store_kv`: returns the rotated q [T, Hq * D].
-
-        Shared version: `linear`, the columns put back in order, `rotary_store_kv`; the deterministic CUDA
-        backend: all of it in the GEMM's epilogue (kernels/rope_epilogue.py), the same bits.
-        """
-        def rotary_store(q, k, v, cos, sin, *caches_and_slots):   # [T, D] rows as this interface's [T, 1, D]
-            return self.rotary_store_kv(q, k, v, cos[:, None], sin[:, None], *caches_and_slots)
-
-        return qkv_rope_store_ref(self.linear(x, weight, bias), rope, rotary_store)
 
     def store_kv_fp8(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:

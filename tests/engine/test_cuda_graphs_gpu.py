@@ -173,27 +173,3 @@ def test_split_kv_rows_keep_their_bits_in_graphs_and_batches(model, monkeypatch)
         assert _outputs(llm, n) == reference[n], f"split-KV rows differ in graphs at batch {n}"
     stats = llm.get_stats()
     assert stats["cuda_graph_split_buckets"] and stats["graph_steps"] > 0, stats
-
-
-def test_rope_in_the_qkv_epilogue_changes_no_bit(model, monkeypatch):
-    """Ops.qkv_rope_store ($DEEPINFER_ROPE_EPILOGUE=1): rotary + KV store in the qkv GEMM's epilogue
-    (kernels/rope_epilogue.py, the rows in pair order) gives the bits of the rotary + KV-store kernel's path
-    (the default), in graphs and eagerly, the 0.5B shape's qkv bias included."""
-    from deepinfer.kernels import matmul
-
-    sizes = (1, 7, 64)
-    monkeypatch.delenv("DEEPINFER_ROPE_EPILOGUE", raising=False)
-    plain = _llm(model)
-    reference = {n: _outputs(plain, n) for n in sizes}
-    del plain
-    fused = []
-    real = matmul.bi_linear
-    monkeypatch.setattr(matmul, "bi_linear", lambda *a, **kw: (
-        fused.append(1) if kw.get("rope") is not None else None) or real(*a, **kw))
-    monkeypatch.setenv("DEEPINFER_ROPE_EPILOGUE", "1")
-    for graphs in (True, False):
-        llm = _llm(model, enable_cuda_graphs=graphs)
-        for n in sizes:
-            assert _outputs(llm, n) == reference[n], f"rope epilogue (graphs={graphs}) differs at batch {n}"
-        del llm
-    assert fused, "no qkv projection ran the rope epilogue"
