@@ -95,11 +95,14 @@ _PLAN_ATTR = "_paged_attention_plans"
 # ranges of whole tiles, each its own program, merged by kernels/split_combine.py. Below it a row keeps the
 # one-program form and its bits (no benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it
 # buys is decode programs for long rows in small batches: a batch of 8 on a model with 2 kv heads is 16
-# programs on 132 SMs, each streaming its whole context alone. On by default (the tile config's SPLIT) where
-# the split form compiled for sm_90 keeps its key loop free of spills; off for a 16-bit cache with 128-dim
-# heads (the 8B shape), whose one-warp decode tile spills inside that loop at its 3 stages in the split form
-# and not at 2 (benchmarks/RESULTS.md, 2026-12-04 19:20): whether splitting pays there at 2 stages is a
-# measurement still to make (benchmarks/attn_split.py); `split=` asks for it.
+# programs on 132 SMs, each streaming its whole context alone. Measured on the H200 (benchmarks/RESULTS.md,
+# 2026-12-05 02:40, benchmarks/attn_split.py): 1-16 long rows decode 2.1-6.9x faster, 64 rows at 2,048
+# positions 1.2-1.3x; a full batch (256 rows at 2,048) 0.91-1.06x; and prefill rows, which must split as
+# decode rows do, pay 0.78-0.95x on e4m3 caches and 0.59-0.61x on a bf16 cache with 64-dim heads. On by
+# default (the tile config's SPLIT) where the split form compiled for sm_90 keeps its key loop free of
+# spills; off for a 16-bit cache with 128-dim heads (the 8B shape), whose one-warp decode tile spills inside
+# that loop at its 3 stages in the split form and not at 2 (RESULTS.md, 2026-12-04 19:20); forced on at 2
+# stages it shows the same trade (`split=` asks for it).
 SPLIT_FROM = 1024
 MAX_SPLITS = 8
 
