@@ -195,24 +195,20 @@ def jsonl_sample(listing: list, storage_options: dict | None, sample_rows: int =
     return rows
 
 
-def keep_types_from_jsonl(listing: list, columns: list[str], storage_options: dict | None,
-                          sample_rows: int = 1000, id_column: str | None = None,
-                          sample: list[dict | None] | None = None) -> dict[str, pa.DataType]:
-    """Arrow types for kept JSONL columns, inferred once from the input's first `sample_rows` rows
-    (`jsonl_sample`, or `sample` when the caller read it already).
+def keep_types_from_jsonl(sample: list[dict | None], columns: list[str],
+                          id_column: str | None = None) -> dict[str, pa.DataType]:
+    """Arrow types for kept JSONL columns, inferred once from the input's first rows (`sample`, read by
+    `jsonl_sample`; the same read judges the columns' presence).
 
     JSON has no schema, so the job fixes one from a sample that depends only on the input: every part
     (also an empty one, also on resume) then gets the same column types. Columns that are null throughout
     the sample are strings; values that do not fit the type fall back to inference for their part. The id
     column is always a string column: a sample cannot promise that no later row has a string id.
     """
-    if not columns:
-        return {}
-    rows = jsonl_sample(listing, storage_options, sample_rows) if sample is None else sample
     types = {}
     for c in columns:
         try:
-            type_ = pa.array([row.get(c) if row is not None else None for row in rows]).type
+            type_ = pa.array([row.get(c) if row is not None else None for row in sample]).type
         except _ARROW_ERRORS:
             type_ = pa.string()
         types[c] = pa.string() if pa.types.is_null(type_) or c == id_column else type_
@@ -259,4 +255,4 @@ def keep_types_for(spec, listing: list) -> dict[str, pa.DataType]:
         return keep_types_from_parquet(listing, cols)
     sample = jsonl_sample(listing, options) if cols else []
     _refuse_absent(spec, absent_columns(listing, fmt, keep, options, sample))
-    return keep_types_from_jsonl(listing, cols, options, id_column=spec.input.id_column, sample=sample)
+    return keep_types_from_jsonl(sample, cols, id_column=spec.input.id_column)
