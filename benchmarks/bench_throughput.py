@@ -59,7 +59,7 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
 # Arm suffixes that move paged attention's split-KV threshold (kernels/paged_attention.SPLIT_FROM, 1,024) for
 # the arm, where the shape's tiles split at all: an A/B of a layout change before it ships. Rows past the
 # threshold change their bits, so such an arm's tokens are compared with its own first run only.
-ARM_SPLIT_FROM = {"split512": 512, "split256": 256}
+ARM_SPLIT_FROM = {"split512": 512, "split256": 256, "nosplit": 1 << 40}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -228,7 +228,7 @@ def main() -> None:
                          "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
                          "+reduce (split-K reduced apart from the norm), +noflat (GEMM tile loops not "
                          "flattened), +split512 / +split256 (split-KV from 512 / 256 positions), "
-                         "+topp (top-k 50 / top-p 0.95 sampling), "
+                         "+nosplit (none), +topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")
     ap.add_argument("--profile-steps", action="store_true",
@@ -276,7 +276,8 @@ def main() -> None:
             x not in ARM_SWITCHES and x not in ARM_SAMPLING and x not in ARM_SPLIT_FROM for x in suffixes)
         if mode != "hf" and unknown:
             known = ", ".join([f"+{k} ({v[1]})" for k, v in {**ARM_SWITCHES, **ARM_SAMPLING}.items()]
-                              + [f"+{k} (split-KV from {v} positions)" for k, v in ARM_SPLIT_FROM.items()])
+                              + [f"+{k} (split-KV from {v} positions)" for k, v in ARM_SPLIT_FROM.items()
+                                 if k != "nosplit"] + ["+nosplit (no split-KV)"])
             raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
     together = {}
     if args.interleave:

@@ -38,12 +38,13 @@ Why a token's output bits never depend on scheduling (prefill chunk, decode, pre
 - positions beyond the program's last query position are masked at load time, so unwritten cache slots
   (possibly NaN bits) never enter the arithmetic.
 - split-KV (`attention_split_policy`; kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its
-  tiles in consecutive ranges fixed by its position and the shape only, each range in its own program from
-  a fresh state (the same online softmax; tiles before the range are masked for the row, which leaves its
-  state at its start values exactly), then kernels/split_combine.py merges the ranges in increasing order.
-  Decode steps, prefill chunks, host plans and the CUDA graphs' static plan all run those ranges and that
-  merge, so the argument above holds per range. A row below SPLIT_FROM takes one range: the arithmetic of
-  the one-program form, which every step without a split row still launches.
+  tiles in consecutive ranges fixed by its position and the shape only, each range from a fresh state (the
+  same online softmax), and the ranges' states are merged in increasing order by split_combine's
+  `merge_state`. A decode step runs each range in its own program and merges in kernels/split_combine.py
+  (host plan, or the CUDA graphs' static plan); a prefill or mixed step's program runs a row's ranges one
+  after another and merges as it goes (kernels/paged_attention_kernel.py). Both are the same arithmetic,
+  so the argument above holds per range. A row below SPLIT_FROM takes one range: the arithmetic of the
+  one-program form, which every step without a split row still launches.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
 __all__ = ["paged_attention", "attention_tile_config", "attention_split_policy", "build_plan",
-           "launch_paged_attention"]
+           "launch_paged_attention", "merge_tile_config"]
 
 _LOG2E = 1.4426950408889634
 # Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). Untransposed tiles of 16 decode /
@@ -157,6 +158,18 @@ def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
     return SplitPolicy(min_tiles=max(1, SPLIT_FROM // cfg["BLOCK_N"]), max_splits=MAX_SPLITS)
 
 
+def merge_tile_config(cfg: dict[str, int], group: int) -> dict[str, int]:
+    """The tile config of a prefill program that merges its rows' split ranges: it holds a second fp32
+    [BLOCK_M, head_dim] accumulator (the running merge), which the one- and two-warp DOT_SUM tiles cannot
+    keep in registers (sm_90 builds: 16-200 spill instructions in the key loop; benchmarks/attn_sm90_regs.py).
+    Under DOT_SUM the warps are free (the module docstring), so it takes four warps over 32 rows: mma.sync
+    still (64 rows of four warps would be wgmma, other bits), ~160-200 registers, no spills. Plain tiles
+    already run four warps; a group of more than 32 heads keeps its own tile."""
+    if not cfg.get("DOT_SUM", 0) or triton.next_power_of_2(group) > PREFILL_BLOCK_M:
+        return cfg
+    return dict(cfg, BLOCK_M=PREFILL_BLOCK_M, BLOCK_Q=PREFILL_BLOCK_M // group, num_warps=4)
+
+
 def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> bool:
     """Whether the step has a row with several splits. A CUDA-graph decode step's host lengths are
     placeholders: its capture decided (meta.split_kv); a CUDA-graph prefill step never splits (its runner
@@ -220,18 +233,23 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None, cfg: dict[str, int],
                            out: torch.Tensor | None = None, split: SplitPolicy | None = None) -> torch.Tensor:
     """Run the kernel with an explicit tile config (`attention_tile_config`'s keys) and split-KV layout (None:
-    never split); arguments as checked by `paged_attention`. benchmarks/attn_variants.py times configs
-    through this."""
+    never split); arguments as checked by `paged_attention`. A prefill or mixed step with split rows runs
+    `merge_tile_config(cfg)`. benchmarks/attn_variants.py times configs through this."""
     num_tokens, num_q_heads, head_dim = q.shape
     if out is None:
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    merge: dict[str, object] = {}
     if split is not None and _needs_split(meta, split, cfg["BLOCK_N"]):
-        launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
-        if meta.static_decode:
-            launch.static_decode(meta.decode_plan)
-        else:
-            launch.host_planned()
-        return out
+        if meta.max_query_len == 1:   # decode: a program per split, then the combine
+            launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
+            if meta.static_decode:
+                launch.static_decode(meta.decode_plan)
+            else:
+                launch.host_planned()
+            return out
+        # prefill and mixed steps: each program merges its rows' ranges itself (the kernel's docstring)
+        merge = {"MIN_TILES": split.min_tiles, "MAX_SPLITS": split.max_splits}
+        cfg = merge_tile_config(cfg, q.shape[1] // k_cache.shape[2])
     if meta.static_decode:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
     elif meta.static_prefill:
@@ -242,7 +260,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         plan = _plan_tensor(meta, cfg["BLOCK_Q"], q.device)
     _launch((plan.shape[0] // 2, k_cache.shape[2]), q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg,
-            out, plan)
+            out, plan, **merge)
     return out
 
 
@@ -272,7 +290,7 @@ def _launch(grid: tuple[int, ...], q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 class _SplitLaunch(SplitLauncher):
-    """The split form's launches (kernels/split_combine.py holds the plan-driven sequences)."""
+    """A decode step's split launches (kernels/split_combine.py holds the plan-driven sequences)."""
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
@@ -289,11 +307,10 @@ class _SplitLaunch(SplitLauncher):
 
     def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
                soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
-        one_token = self.meta.max_query_len == 1
         cfg = self.cfg
-        if one_token and "SPLIT_DECODE_STAGES" in cfg:   # data movement only: the same bits
+        if "SPLIT_DECODE_STAGES" in cfg:   # data movement only: the same bits
             cfg = dict(cfg, num_stages=cfg["SPLIT_DECODE_STAGES"])
         _launch(grid, self.q, self.k_cache, self.v_cache, self.meta, self.scale, self.k_scale, self.v_scale,
                 cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
                 num_heads=self.num_heads, MIN_TILES=self.policy.min_tiles, MAX_SPLITS=self.policy.max_splits,
-                FIXED_SLOTS=fixed_slots, ONE_TOKEN=one_token)
+                FIXED_SLOTS=fixed_slots, ONE_TOKEN=True)

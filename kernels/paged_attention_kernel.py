@@ -1,10 +1,20 @@
 """The Triton body of `paged_attention` (kernels/paged_attention.py holds the launcher, the tile configs and
 the batch-invariance argument). Six constexpr knobs beyond the tile shape; the engine runs the untransposed
 tile with FP16_KV, V_CVT, PREFETCH and DOT_SUM on an e4m3 cache, the others are measured alternatives.
-With MAX_SPLITS > 0 it is the split-KV form (kernels/paged_attention.py's docstring; the untransposed tile
-only): grid axis 2 is the split index, a row of several splits leaves its split's (acc, max, sum) at its
-scratch slot for kernels/split_combine.py, and a row of one split stores its output as the one-program
-form does. The knobs:
+With MAX_SPLITS > 0 it runs the split-KV layout (kernels/paged_attention.py's docstring; the untransposed
+tile only) in one of two forms with the same arithmetic per row:
+
+- ONE_TOKEN (decode steps): grid axis 2 is the split index; a row of several splits leaves its split's
+  (acc, max, sum) at its scratch slot for kernels/split_combine.py, a row of one split stores its output as
+  the one-program form does. Small decode batches of long rows get programs enough to fill the GPU.
+- otherwise (prefill and mixed steps, which have programs enough): one program reduces all of its rows'
+  ranges itself. At the last tile of a range that is not the row's last, the row's state is folded into a
+  running merge with kernels/split_combine.py's `merge_state` (the combine's step, in its order) and
+  restarts from the fresh state a split program starts from; after the loop the last range is folded and
+  the merge normalised, exactly as the combine does. No scratch, no second launch, and no partial stores
+  (which cost the split prefill program its registers: benchmarks/RESULTS.md, 2026-12-05 02:40).
+
+The knobs:
 
 - SWAP: compute the transposed tile S^T = K Q^T [BLOCK_N, BLOCK_M] and O^T += V^T P^T. Keys/values then
   are the left MMA operand, which Hopper's wgmma can take from registers: a converted e4m3 tile goes
@@ -49,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from deepinfer.kernels.pdl import wait_for_producers
-from deepinfer.kernels.split_combine import split_layout
+from deepinfer.kernels.split_combine import merge_state, split_layout
 
 
 @triton.jit
@@ -84,30 +94,23 @@ def _load_tile(base, block, j, last_pos, stride_b, stride_s, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE: tl.constexpr,
-                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr, lo_pos=0,
-                 SPLIT: tl.constexpr = False):
+                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr):
     """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it.
     Under DOT_SUM the running sum is a [BLOCK_M, 16] tile whose columns all hold the row's sum. A row sees
-    the keys at positions <= its q_pos; under SPLIT also >= its lo_pos (the first key of its split)."""
+    the keys at positions <= its q_pos. A row's state is fresh (max -inf) only before the first tile of a
+    split range, which always holds a key the row sees, so the max after a tile is finite."""
     if KV_FP8:   # exact: every e4m3 value is a bf16/fp16/fp32 value
         k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if SPLIT:
-        seen = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= lo_pos[:, None])
-    else:
-        seen = kv_pos[None, :] <= q_pos[:, None]
-    s = tl.where(seen, s * row_scale[:, None], float("-inf"))
+    s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so tiles
     # that are fully masked for a row leave its state bit-identical.
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-    if SPLIT:   # a row whose split has not started yet (max still -inf) subtracts 0: p = 0, not NaN
-        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-    else:
-        p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s - m_new[:, None])
     if KV_FP8:
         v = v.to(q.dtype)
         if V_CVT:
@@ -157,6 +160,27 @@ def _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num
     tl.store(ml_ptr + 2 * part + 1, l_i, mask=rows)
 
 
+@triton.jit
+def _fold_ended(ends, m_i, l_i, acc, m_run, l_run, o_run, DOT_SUM: tl.constexpr):
+    """For the rows in `ends`: fold their range's state into their running merge (split_combine's step) and
+    restart it from a split program's fresh state; other rows keep both exactly."""
+    if DOT_SUM:
+        l_row = tl.max(l_i, axis=1)    # every column holds the sum
+    else:
+        l_row = l_i
+    m_new, l_new, o_new = merge_state(m_run, l_run, o_run, m_i, l_row, acc)
+    m_run = tl.where(ends, m_new, m_run)
+    l_run = tl.where(ends, l_new, l_run)
+    o_run = tl.where(ends[:, None], o_new, o_run)
+    m_i = tl.where(ends, float("-inf"), m_i)
+    if DOT_SUM:
+        l_i = tl.where(ends[:, None], 0.0, l_i)
+    else:
+        l_i = tl.where(ends, 0.0, l_i)
+    acc = tl.where(ends[:, None], 0.0, acc)
+    return m_i, l_i, acc, m_run, l_run, o_run
+
+
 # stride_bt (the padded block-table width) varies from step to step: keep it out of specialisation so every
 # step runs the same binary.
 @triton.jit(do_not_specialize=["stride_bt", "slot_base", "num_heads"])
@@ -176,7 +200,7 @@ def paged_attention_kernel(
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
     TOKEN_SPLITS: tl.constexpr = MAX_SPLITS > 0 and ONE_TOKEN       # one split layout per program (decode)
-    ROW_SPLITS: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN   # a split layout per row (prefill)
+    MERGE: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN   # every range of each row here, merged (prefill)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(plan_ptr + 2 * pid)
@@ -193,37 +217,27 @@ def paged_attention_kernel(
     q_pos = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32)
     if TOKEN_SPLITS:
         # Split form of a decode step: the program's rows are one token's heads, so its split layout is one
-        # scalar. Its tiles [lo, hi) all hold keys <= the position (lo * BLOCK_N <= p), so the plain mask
-        # gives each row exactly the per-row form's arithmetic below (whose extra bounds are then vacuous).
+        # scalar, and its tiles [lo, hi) all hold keys <= the position (lo * BLOCK_N <= p).
         tl.static_assert(not SWAP, "the split form runs the untransposed tile")
         split = tl.program_id(2)
         last_pos = tl.max(q_pos, axis=0)
         n_tiles, per_split, n_splits = split_layout(last_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
         if split >= n_splits:
             return   # past the token's last split (the static plan launches MAX_SPLITS per token)
-        lo_pos = 0
         tile_lo = split * per_split
         num_tiles = tl.minimum(tile_lo + per_split, n_tiles)
-    elif ROW_SPLITS:
-        # Split form (module docstring of kernels/split_plan.py): this program reduces split
-        # tl.program_id(2) of each of its rows, whose layout follows from the row's own position only.
-        tl.static_assert(not SWAP, "the split form runs the untransposed tile")
-        split = tl.program_id(2)
-        n_tiles, per_split, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
-        active = row_ok & (split < n_splits)
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, n_tiles)
-        lo_pos = lo * BLOCK_N
-        # the row's keys in this split: [lo_pos, min(q_pos, hi * BLOCK_N - 1)]; none for an inactive row
-        q_pos = tl.where(active, tl.minimum(q_pos, hi * BLOCK_N - 1), -1)
-        last_pos = tl.max(q_pos, axis=0)     # -1 when no row of the program has keys in this split
-        tile_lo = tl.where(last_pos >= 0, tl.min(tl.where(active, lo, 1 << 30), axis=0), 0)
-        num_tiles = tl.where(last_pos >= 0, last_pos // BLOCK_N + 1, 0)
     else:
-        lo_pos = 0
         tile_lo = 0
         last_pos = tl.max(q_pos, axis=0)
         num_tiles = last_pos // BLOCK_N + 1
+    if MERGE:
+        # Each row's own layout (padding rows, at position 0, take one range); the running merge of its
+        # finished ranges starts empty, as the combine's does.
+        tl.static_assert(not SWAP, "the split form runs the untransposed tile")
+        row_tiles, per_split, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        o_run = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -304,7 +318,13 @@ def paged_attention_kernel(
             v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM)
             m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                         IEEE, KV_FP8, V_CVT, DOT_SUM, lo_pos, ROW_SPLITS)
+                                         IEEE, KV_FP8, V_CVT, DOT_SUM)
+            if MERGE:
+                # rows whose range ends at this tile and that have another range after it
+                ends = ((j + 1) % per_split == 0) & (j + 1 < row_tiles)
+                if tl.max(ends.to(tl.int32), axis=0) > 0:   # a scalar branch: most tiles end no range
+                    m_i, l_i, acc, m_run, l_run, o_run = _fold_ended(ends, m_i, l_i, acc, m_run, l_run,
+                                                                     o_run, DOT_SUM)
     if SWAP:
         out = acc / l_i[None, :]
         if KV_FP8:
@@ -322,15 +342,12 @@ def paged_attention_kernel(
             else:
                 _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i,
                                l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
-        elif ROW_SPLITS:
-            # A one-split row normalises and stores as the unsplit form does; the others leave their
-            # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
-            single = active & (n_splits == 1)
-            out = acc / tl.where(single, l_i, 1.0)[:, None]
-            multi = active & (n_splits > 1)
-            _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i,
-                           multi, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
-            _store_out(out_ptr, out, t, head, d, stride_ot, stride_oh, single, v_scale_ptr, kv_head, KV_FP8)
+        elif MERGE:
+            # The last range folds in as the combine's last step; a row of one range normalises its own
+            # state, as the one-program form (and the combine, which skips such rows) does.
+            _, l_f, o_f = merge_state(m_run, l_run, o_run, m_i, l_i, acc)
+            out = tl.where((n_splits > 1)[:, None], o_f / l_f[:, None], acc / l_i[:, None])
+            _store_out(out_ptr, out, t, head, d, stride_ot, stride_oh, row_ok, v_scale_ptr, kv_head, KV_FP8)
         else:
             _store_out(out_ptr, acc / l_i[:, None], t, head, d, stride_ot, stride_oh, row_ok, v_scale_ptr,
                        kv_head, KV_FP8)

@@ -38,6 +38,21 @@ def split_layout(pos, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, MAX_SPLITS
     return n_tiles, per_split, (n_tiles + per_split - 1) // per_split
 
 
+@triton.jit
+def merge_state(m_run, l_run, o_run, m_s, l_s, a_s):
+    """(max, sum, output) of the running merge after folding in one split's state (a_s [R, WIDTH], m_s, l_s
+    [R]): the combine's step, also taken inside paged attention's prefill programs, so both must compute it
+    alike. The sums are explicit FMAs: left as `x * alpha + y * beta`, the compiler may contract either
+    product into an FMA, and which one it picks may differ between two kernels. alpha is 0 for the first
+    split (m_run = -inf); every m_s is finite (a split holds a key its row sees)."""
+    m_new = tl.maximum(m_run, m_s)
+    alpha = tl.exp2(m_run - m_new)
+    beta = tl.exp2(m_s - m_new)
+    l_new = tl.fma(l_s, beta, l_run * alpha)
+    o_new = tl.fma(a_s, beta[:, None], o_run * alpha[:, None])
+    return m_new, l_new, o_new
+
+
 @triton.jit(do_not_specialize=["slot_base", "num_heads"])
 def split_combine_kernel(
     out_ptr, part_ptr, ml_ptr, tok_ptr, pos_ptr, soff_ptr, v_scale_ptr,
@@ -74,12 +89,7 @@ def split_combine_kernel(
         m_s = tl.load(ml_ptr + 2 * part, mask=h_ok, other=0.0)
         l_s = tl.load(ml_ptr + 2 * part + 1, mask=h_ok, other=1.0)
         a_s = tl.load(part_ptr + part[:, None] * WIDTH + r[None, :], mask=h_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        alpha = tl.exp2(m_run - m_new)      # 0 for the first split (m_run = -inf); every m_s is finite
-        beta = tl.exp2(m_s - m_new)
-        l_run = l_run * alpha + l_s * beta
-        o_run = o_run * alpha[:, None] + a_s * beta[:, None]
-        m_run = m_new
+        m_run, l_run, o_run = merge_state(m_run, l_run, o_run, m_s, l_s, a_s)
     out = o_run / l_run[:, None]
     if V_SCALE:
         out = out * tl.load(v_scale_ptr + heads // GROUP, mask=h_ok, other=1.0)[:, None]

@@ -1,14 +1,15 @@
 """The paged-attention kernel's split-KV form under Triton's interpreter (a TRITON_INTERPRET=1 subprocess
 started by tests/kernels/test_paged_attention_variants_cpu.py), tiny shapes, float32 and e4m3 caches.
 
-A row past the policy's threshold reduces its keys in several programs (kernels/split_plan.py) merged by
-kernels/split_combine.py. Checked here: agreement with paged_attention_ref for prefill, chunked, prefix-hit
-and decode rows in every tile family the engine runs (plain, DOT_SUM, PREFETCH, FP16_KV on e4m3); rows of
-one split keep the one-program form's bits exactly; the static decode plan (a CUDA graph's) gives the host
-plan's bits, also when the scratch budget cuts it into several launches; a decode step's one-token programs
-(one scalar split layout) give a row the bits of the per-row layout of a prefill program under the same
-tile config; the default policy splits exactly from SPLIT_FROM on. Decode and prefill rows under their own
-configs (different MMA shapes) are compared bit for bit on the GPU: tests/kernels/
+A row past the policy's threshold reduces its keys in several ranges (kernels/split_plan.py): in a decode step
+each range is its own program, merged by kernels/split_combine.py; in a prefill or mixed step one program
+reduces its rows' ranges one after another and merges them as it goes. Checked here: agreement with
+paged_attention_ref for prefill, chunked, prefix-hit and decode rows in every tile family the engine runs
+(plain, DOT_SUM, PREFETCH, FP16_KV on e4m3); rows of one split keep the one-program form's bits exactly; the
+static decode plan (a CUDA graph's) gives the host plan's bits, also when the scratch budget cuts it into
+several launches; a decode step's split programs and combine give a row the bits of the merging prefill
+program under the same tile config; the default policy splits exactly from SPLIT_FROM on. Decode and prefill
+rows under their own configs (different MMA shapes) are compared bit for bit on the GPU: tests/kernels/
 test_paged_attention_decode_gpu.py.
 """
 
@@ -131,17 +132,20 @@ def test_static_decode_plan_gives_the_host_plans_bits(pa, positions, bucket):
                                rtol=2e-5)
 
 
-def test_scratch_budget_cuts_launches_without_changing_bits(pa, step, monkeypatch):
+def test_scratch_budget_cuts_launches_without_changing_bits(pa, monkeypatch):
     from deepinfer.kernels import split_combine
 
-    q, kc, vc, meta, scale, ks, vs = _operands(step, True)
-    cfg = dict(CONFIGS["plain_prefill"], FP16_KV=1, V_CVT=1)
-    whole = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, cfg, split=POLICY)
+    positions = [300, 5, 70, 170, 64, 63, 299, 100]
+    blocks, kc, vc, q = _decode_case(positions, seed=5)
+    meta, _ = padded_decode_metadata(blocks, positions, len(positions), BS)
+    qs = q[:len(positions)].contiguous()
+    cfg = CONFIGS["plain_decode"]
+    whole = pa.launch_paged_attention(qs, kc, vc, meta, 0.3, None, None, cfg, split=POLICY)
     # two (token, split) slots per launch: the host plan cuts the step into many launch groups
     monkeypatch.setattr(split_combine, "SCRATCH_BUDGET_BYTES", 2 * HQ * (D + 2) * 4)
     meta.__dict__.pop("_split_kv_plans", None)
-    cut = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, cfg, split=POLICY)
-    assert same_bits(cut, whole)
+    cut = pa.launch_paged_attention(qs, kc, vc, meta, 0.3, None, None, cfg, split=POLICY)
+    assert not whole.isnan().any() and same_bits(cut, whole)
 
 
 @pytest.mark.parametrize("group,head_dim,dtype,kv_fp8,splits", [
@@ -199,20 +203,28 @@ def test_decode_rows_take_the_bits_of_the_same_rows_in_a_prefill(pa, name):
 
 
 def test_cuda_ops_run_a_tiny_llama_with_split_rows_like_transformers(pa, tmp_path, monkeypatch):
-    """The CUDA backend's dense path (rotary + KV store, paged attention in its split form, the combine) on
-    the interpreter, float32, with the split threshold at 32 positions: a prefill chunk, the rest of the
-    prompt, then a decode step, every row past position 32 in 2-4 splits; logits match transformers."""
+    """The CUDA backend's dense path (rotary + KV store, paged attention in its split forms, the combine) on
+    the interpreter, float32, with the split threshold at 32 positions: a prefill chunk and the rest of the
+    prompt (programs that merge their rows' ranges), then a decode step (a program per split, the combine),
+    every row past position 32 in 2-4 splits; logits match transformers."""
     from tests.support.paged_runner import check_cuda_ops_against_transformers
     from tests.support.tiny_models import make_tiny_checkpoint
 
     monkeypatch.setattr("deepinfer.kernels.paged_attention.SPLIT_FROM", 32)
-    split_steps = []
-    planned = pa._SplitLaunch.host_planned
-    monkeypatch.setattr(pa._SplitLaunch, "host_planned", lambda self: split_steps.append(1) or planned(self))
+    forms = []
+    launch = pa._launch
+
+    def record(*args, **kwargs):
+        form = "one_token" if kwargs.get("ONE_TOKEN") else "merge" if kwargs.get("MAX_SPLITS") else "one"
+        forms.append(form)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "_launch", record)
     path = make_tiny_checkpoint("llama", tmp_path / "llama")
     a, b = [5 + (7 * i) % 200 for i in range(90)], [40 + 3 * i for i in range(20)]
     cfg = check_cuda_ops_against_transformers(path, a, b, first=50)
-    assert len(split_steps) == 3 * cfg.num_hidden_layers   # every step had split rows, in every layer
+    layers = cfg.num_hidden_layers   # every step had split rows, in every layer
+    assert forms == ["merge"] * 2 * layers + ["one_token"] * layers
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
