@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caches", default="bf16,e4m3")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge-warps", default="", help="comma-separated warps for the merging prefill tile")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated, of one_program, default, from_1k, from_512, from_256 (all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attn_split.py needs a CUDA GPU")
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             dec_cfg, pre_cfg = (attention_tile_config(sh.group, sh.d, torch.bfloat16, kv_fp8=fp8, decode=d)
                                 for d in (True, False))
             pols = _policies(dec_cfg)
+            if args.policies:
+                pols = {k: v for k, v in pols.items() if k in args.policies.split(",") or k == "one_program"}
             sched = _Sched(sh, fp8, max_len=2600)
             for pol_name, pol in pols.items():
                 base = {"shape": name, "cache": cache, "policy": pol_name,
