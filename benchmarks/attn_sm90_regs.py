@@ -6,11 +6,12 @@ its sm_90 build made on the CPU (no GPU needed): the check a kernel change can g
 For each head shape (benchmarks/attn_variants.py's SHAPES), cache (bf16, e4m3) and step kind (decode, prefill)
 it compiles the engine's tile config (kernels/paged_attention.py, attention_tile_config) twice, as the
 one-program form and as the split-KV form (decode: the split programs with their fixed slots, as a CUDA graph
-runs them; prefill: the program that merges its rows' ranges itself), with the specialisations a real launch
-gets (16-byte aligned pointers and strides, PDL on), through Triton's own sm_90 pipeline; then reads the cubin
-with the CUDA tools Triton ships (`cuobjdump -res-usage`, `nvdisasm`). "loop LDL/STL": local-memory
-instructions between the label and the backward branch of the kernel's longest loop, the key loop. Figures
-depend on the Triton version (the H200 host runs 3.6, the development VM 3.9): record which one.
+runs them; prefill: the split programs, or the program that merges its rows' ranges itself where the tile has
+MERGE_IN_PLACE), with the specialisations a real launch gets (16-byte aligned pointers and strides, PDL on),
+through Triton's own sm_90 pipeline; then reads the cubin with the CUDA tools Triton ships (`cuobjdump
+-res-usage`, `nvdisasm`). "loop LDL/STL": local-memory instructions between the label and the backward branch
+of the kernel's longest loop, the key loop. Figures depend on the Triton version (the H200 host runs 3.6, the
+development VM 3.9): record which one.
 """
 
 from __future__ import annotations
@@ -50,16 +51,16 @@ def _compile(cfg: dict, group: int, head_dim: int, kv_fp8: bool, decode: bool, s
                  FP16_KV=int(bool(cfg["FP16_KV"] and kv_fp8)), V_NAT=0,
                  V_CVT=int(bool(cfg["V_CVT"] and kv_fp8)), PREFETCH=cfg["PREFETCH"], DOT_SUM=cfg["DOT_SUM"],
                  PDL=1)
-    if split and decode:   # the split programs of a CUDA-graph decode step (fixed slots)
+    if split and (decode or not cfg.get("MERGE_IN_PLACE", 0)):   # split programs: partials to scratch
         args += [("part_ptr", "*fp32"), ("ml_ptr", "*fp32"), ("soff_ptr", "*i64"), ("slot_base", "i32"),
                  ("num_heads", "i32")]
-        const.update(MIN_TILES=8, MAX_SPLITS=8, FIXED_SLOTS=True, ONE_TOKEN=True)
+        const.update(MIN_TILES=8, MAX_SPLITS=8, FIXED_SLOTS=decode, ONE_TOKEN=decode, MERGE_IN_PLACE=False)
     elif split:            # a prefill program that merges its rows' ranges itself: no scratch
         const.update(part_ptr=None, ml_ptr=None, soff_ptr=None, slot_base=0, num_heads=0, MIN_TILES=8,
-                     MAX_SPLITS=8, FIXED_SLOTS=False, ONE_TOKEN=False)
+                     MAX_SPLITS=8, FIXED_SLOTS=False, ONE_TOKEN=False, MERGE_IN_PLACE=True)
     else:
         const.update(part_ptr=None, ml_ptr=None, soff_ptr=None, slot_base=0, num_heads=0, MIN_TILES=1,
-                     MAX_SPLITS=0, FIXED_SLOTS=False, ONE_TOKEN=False)
+                     MAX_SPLITS=0, FIXED_SLOTS=False, ONE_TOKEN=False, MERGE_IN_PLACE=False)
     sig = dict(args) | {k: "constexpr" for k in const}
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, typ) in enumerate(args)
                if typ.startswith("*") or name in _INTS}
@@ -93,7 +94,7 @@ def _usage(cubin: bytes) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deepinfer.kernels.paged_attention import attention_tile_config, merge_tile_config
+    from deepinfer.kernels.paged_attention import attention_tile_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen0.5b,llama8b", help=f"comma-separated, of {sorted(SHAPES)}")
@@ -111,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             for decode in [s == "decode" for s in args.steps.split(",")]:
                 cfg = attention_tile_config(sh.group, sh.d, torch.bfloat16, kv_fp8=kv_fp8, decode=decode)
                 for split in (False, True):
-                    tiles = merge_tile_config(cfg, sh.group) if split and not decode else cfg
                     try:
-                        u = _usage(_compile(tiles, sh.group, sh.d, kv_fp8, decode, split).asm["cubin"])
+                        u = _usage(_compile(cfg, sh.group, sh.d, kv_fp8, decode, split).asm["cubin"])
                     except Exception as exc:  # noqa: BLE001 - a Triton without the CUDA backend or its tools
                         raise SystemExit(f"cannot build for sm_90 here: {type(exc).__name__}: {exc}") from exc
                     step = "decode" if decode else "prefill"

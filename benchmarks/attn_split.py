@@ -12,9 +12,8 @@ For each head shape (benchmarks/attn_variants.py's SHAPES) and cache (bf16, e4m3
   the default leaves alone and to see whether the 0.5B benchmark step gains: 256 rows at ~640 positions are
   512 programs of 5-6 key tiles, of which 3 fit an SM (1.3 waves on 132 SMs).
 Decode steps run the CUDA-graph form (the static decode plan; split_kv set as the runner sets it); prefill
-steps with split rows run programs that merge their rows' ranges themselves, in `merge_tile_config`'s tile;
-`--merge-warps 2,1` also times the default policy's prefill cases with that tile's warps set to each value
-(policy `default_w2`, ...; the bits are the same under DOT_SUM, but not for the plain tiles). `same_bits`:
+steps the host plan's split programs, or, for the tiles with MERGE_IN_PLACE, programs that merge their rows'
+ranges themselves. `same_bits`:
 decode rows of 24 random-length sequences (up to 2,600 positions) equal their rows of a full prefill and of
 chunks with random starts under that policy. Needs a CUDA GPU.
 """
@@ -63,24 +62,6 @@ def _splits(policy, cfg: dict, last_pos: int) -> int:
     return int(split_counts(np.array([last_pos]), cfg["BLOCK_N"], policy.min_tiles, policy.max_splits)[0])
 
 
-def _merge_warps(sh, fp8: bool, pre_cfg: dict, policy, warps: str, base: dict) -> list[dict]:
-    """The default policy's prefill cases with the merging tile's warps set to each of `warps`."""
-    import deepinfer.kernels.paged_attention as pa
-
-    rows, shipped = [], pa.merge_tile_config
-    for w in [int(x) for x in warps.split(",") if x]:
-        pa.merge_tile_config = lambda cfg, group, w=w: dict(shipped(cfg, group), num_warps=w)
-        try:
-            for seqs, prompt in PREFILL_CASES:
-                ops = _prefill_operands(sh, fp8, seqs=seqs, prompt=prompt)
-                sec = graph_time(_call(ops, pre_cfg, policy))
-                rows.append(dict(base, policy=f"default_w{w}", case=f"prefill {seqs}x{prompt}", us=sec * 1e6))
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            pa.merge_tile_config = shipped
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     from deepinfer.kernels.paged_attention import attention_tile_config
 
@@ -88,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="qwen0.5b,llama8b", help=f"comma-separated, of {sorted(SHAPES)}")
     ap.add_argument("--caches", default="bf16,e4m3")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--merge-warps", default="", help="comma-separated warps for the merging prefill tile")
     ap.add_argument("--policies", default=None,
                     help="comma-separated, of one_program, default, from_1k, from_512, from_256 (all)")
     args = ap.parse_args(argv)
@@ -124,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                     sec = graph_time(_call(ops, pre_cfg, pol))
                     rows.append(dict(base, case=f"prefill {seqs}x{prompt}", us=sec * 1e6))
                     print(json.dumps(rows[-1]), flush=True)
-            if pre_cfg.get("DOT_SUM"):
-                rows += _merge_warps(sh, fp8, pre_cfg, pols["default"], args.merge_warps,
-                                     {"shape": name, "cache": cache})
     base_us = {(r["shape"], r["cache"], r["case"]): r["us"] for r in rows
                if r["policy"] == "one_program" and "us" in r}
     print("| shape | cache | case | " + " | ".join(f"{p} µs (×)" for p in _policies({"BLOCK_N": 16})) + " |")
@@ -139,10 +116,6 @@ def main(argv: list[str] | None = None) -> int:
                       if (r["shape"], r["cache"], r["case"]) == key and r["policy"] == pol), None)
             cells.append(f"{r['us']:.1f} ({base_us[key] / r['us']:.2f}×)" if r and "us" in r else "")
         print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
-    for r in rows:
-        if r["policy"].startswith("default_w") and "us" in r:
-            key = (r["shape"], r["cache"], r["case"])
-            print(f"{r['policy']} {' '.join(key)}: {r['us']:.1f} µs ({base_us[key] / r['us']:.2f}×)")
     for r in rows:
         if r["case"] == "bits":
             print(f"bits {r['shape']} {r['cache']} {r['policy']}: {r['same_bits']}")

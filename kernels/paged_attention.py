@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from deepinfer.kernels.metadata import AttentionMetadata
 
 __all__ = ["paged_attention", "attention_tile_config", "attention_split_policy", "build_plan",
-           "launch_paged_attention", "merge_tile_config"]
+           "launch_paged_attention"]
 
 _LOG2E = 1.4426950408889634
 # Chosen by benchmarks/attn_variants.py on an H200 (benchmarks/RESULTS.md). Untransposed tiles of 16 decode /
@@ -122,7 +122,7 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         # programs of one or two warps; the row sums through the tensor core so the warps may differ;
         # mma.sync for all (at most two warps: wgmma needs whole warpgroups).
         block_n, dec_stages, pre_warps, pre_m, pre_stages, split, split_stages = tiles
-        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split,
+        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split, "MERGE_IN_PLACE": 0,
                "SPLIT_DECODE_STAGES": split_stages,
                "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
         if decode and rows <= DECODE_BLOCK_M:
@@ -139,11 +139,11 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
         cfg = {"BLOCK_N": block_n, "num_stages": 2, "num_warps": 4, "PREFETCH": 0, "DOT_SUM": 0, "SPLIT": 1,
-               "FP16_KV": 0, "V_CVT": 0}
+               "MERGE_IN_PLACE": 1, "FP16_KV": 0, "V_CVT": 0}
     else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "SPLIT": 1, "FP16_KV": 0, "V_CVT": 0,
-               "PREFETCH": 0, "DOT_SUM": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "SPLIT": 1, "MERGE_IN_PLACE": 1, "FP16_KV": 0,
+               "V_CVT": 0, "PREFETCH": 0, "DOT_SUM": 0}
     assert cfg["BLOCK_N"] % KV_CHUNK == 0
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
@@ -156,18 +156,6 @@ def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
     if not cfg.get("SPLIT", 0):
         return NO_SPLIT
     return SplitPolicy(min_tiles=max(1, SPLIT_FROM // cfg["BLOCK_N"]), max_splits=MAX_SPLITS)
-
-
-def merge_tile_config(cfg: dict[str, int], group: int) -> dict[str, int]:
-    """The tile config of a prefill program that merges its rows' split ranges: it holds a second fp32
-    [BLOCK_M, head_dim] accumulator (the running merge), which the one- and two-warp DOT_SUM tiles cannot
-    keep in registers (sm_90 builds: 16-200 spill instructions in the key loop; benchmarks/attn_sm90_regs.py).
-    Under DOT_SUM the warps are free (the module docstring), so it takes four warps over 32 rows: mma.sync
-    still (64 rows of four warps would be wgmma, other bits), ~160-200 registers, no spills. Plain tiles
-    already run four warps; a group of more than 32 heads keeps its own tile."""
-    if not cfg.get("DOT_SUM", 0) or triton.next_power_of_2(group) > PREFILL_BLOCK_M:
-        return cfg
-    return dict(cfg, BLOCK_M=PREFILL_BLOCK_M, BLOCK_Q=PREFILL_BLOCK_M // group, num_warps=4)
 
 
 def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> bool:
@@ -233,23 +221,22 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None, cfg: dict[str, int],
                            out: torch.Tensor | None = None, split: SplitPolicy | None = None) -> torch.Tensor:
     """Run the kernel with an explicit tile config (`attention_tile_config`'s keys) and split-KV layout (None:
-    never split); arguments as checked by `paged_attention`. A prefill or mixed step with split rows runs
-    `merge_tile_config(cfg)`. benchmarks/attn_variants.py times configs through this."""
+    never split); arguments as checked by `paged_attention`. benchmarks/attn_variants.py times configs
+    through this."""
     num_tokens, num_q_heads, head_dim = q.shape
     if out is None:
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     merge: dict[str, object] = {}
     if split is not None and _needs_split(meta, split, cfg["BLOCK_N"]):
-        if meta.max_query_len == 1:   # decode: a program per split, then the combine
+        if meta.max_query_len == 1 or not cfg.get("MERGE_IN_PLACE", 0):   # a program per split, the combine
             launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
             if meta.static_decode:
                 launch.static_decode(meta.decode_plan)
             else:
                 launch.host_planned()
             return out
-        # prefill and mixed steps: each program merges its rows' ranges itself (the kernel's docstring)
-        merge = {"MIN_TILES": split.min_tiles, "MAX_SPLITS": split.max_splits}
-        cfg = merge_tile_config(cfg, q.shape[1] // k_cache.shape[2])
+        # a prefill or mixed step: each program merges its rows' ranges itself (the kernel's docstring)
+        merge = {"MIN_TILES": split.min_tiles, "MAX_SPLITS": split.max_splits, "MERGE_IN_PLACE": True}
     if meta.static_decode:
         plan = meta.decode_plan   # one query block per sequence whatever BLOCK_Q; no host work (graphs)
     elif meta.static_prefill:
@@ -290,7 +277,7 @@ def _launch(grid: tuple[int, ...], q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 class _SplitLaunch(SplitLauncher):
-    """A decode step's split launches (kernels/split_combine.py holds the plan-driven sequences)."""
+    """The split programs' launches (kernels/split_combine.py holds the plan-driven sequences)."""
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None,
@@ -307,10 +294,11 @@ class _SplitLaunch(SplitLauncher):
 
     def _split(self, grid: tuple[int, int, int], part: torch.Tensor, ml: torch.Tensor, plan: torch.Tensor,
                soff: torch.Tensor, slot_base: int, fixed_slots: bool) -> None:
+        one_token = self.meta.max_query_len == 1
         cfg = self.cfg
-        if "SPLIT_DECODE_STAGES" in cfg:   # data movement only: the same bits
+        if one_token and "SPLIT_DECODE_STAGES" in cfg:   # data movement only: the same bits
             cfg = dict(cfg, num_stages=cfg["SPLIT_DECODE_STAGES"])
         _launch(grid, self.q, self.k_cache, self.v_cache, self.meta, self.scale, self.k_scale, self.v_scale,
                 cfg, self.out, plan, part_ptr=part, ml_ptr=ml, soff_ptr=soff, slot_base=slot_base,
                 num_heads=self.num_heads, MIN_TILES=self.policy.min_tiles, MAX_SPLITS=self.policy.max_splits,
-                FIXED_SLOTS=fixed_slots, ONE_TOKEN=True)
+                FIXED_SLOTS=fixed_slots, ONE_TOKEN=one_token)

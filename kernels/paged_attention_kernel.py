@@ -2,17 +2,19 @@
 the batch-invariance argument). Six constexpr knobs beyond the tile shape; the engine runs the untransposed
 tile with FP16_KV, V_CVT, PREFETCH and DOT_SUM on an e4m3 cache, the others are measured alternatives.
 With MAX_SPLITS > 0 it runs the split-KV layout (kernels/paged_attention.py's docstring; the untransposed
-tile only) in one of two forms with the same arithmetic per row:
+tile only) in one of three forms with the same arithmetic per row:
 
 - ONE_TOKEN (decode steps): grid axis 2 is the split index; a row of several splits leaves its split's
   (acc, max, sum) at its scratch slot for kernels/split_combine.py, a row of one split stores its output as
   the one-program form does. Small decode batches of long rows get programs enough to fill the GPU.
-- otherwise (prefill and mixed steps, which have programs enough): one program reduces all of its rows'
-  ranges itself. At the last tile of a range that is not the row's last, the row's state is folded into a
-  running merge with kernels/split_combine.py's `merge_state` (the combine's step, in its order) and
-  restarts from the fresh state a split program starts from; after the loop the last range is folded and
-  the merge normalised, exactly as the combine does. No scratch, no second launch, and no partial stores
-  (which cost the split prefill program its registers: benchmarks/RESULTS.md, 2026-12-05 02:40).
+- MERGE (prefill and mixed steps of the four-warp plain tiles): one program reduces all of its rows' ranges
+  itself. At the last tile of a range that is not the row's last, the row's state is folded into a running
+  merge with kernels/split_combine.py's `merge_state` (the combine's step, in its order) and restarts from
+  the fresh state a split program starts from; after the loop the last range is folded and the merge
+  normalised, exactly as the combine does. No scratch, no second launch, no partial stores.
+- otherwise (prefill and mixed steps of the one- and two-warp DOT_SUM tiles, whose registers cannot hold the
+  running merge's second accumulator): grid axis 2 is the split index as in decode, each row with its own
+  layout; rows of several splits leave partials for the combine.
 
 The knobs:
 
@@ -94,23 +96,32 @@ def _load_tile(base, block, j, last_pos, stride_b, stride_s, BLOCK_N: tl.constex
 
 @triton.jit
 def _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one, IEEE: tl.constexpr,
-                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr):
+                 KV_FP8: tl.constexpr, V_CVT: tl.constexpr, DOT_SUM: tl.constexpr, lo_pos=0,
+                 SPLIT: tl.constexpr = False):
     """One key tile of the untransposed online softmax: (running max, running sum, accumulator) after it.
     Under DOT_SUM the running sum is a [BLOCK_M, 16] tile whose columns all hold the row's sum. A row sees
-    the keys at positions <= its q_pos. A row's state is fresh (max -inf) only before the first tile of a
-    split range, which always holds a key the row sees, so the max after a tile is finite."""
+    the keys at positions <= its q_pos; under SPLIT (a prefill split program) also >= its lo_pos, the first
+    key of its split. Otherwise a row's state is fresh (max -inf) only before the first tile of a range,
+    which always holds a key the row sees, so the max after a tile is finite."""
     if KV_FP8:   # exact: every e4m3 value is a bf16/fp16/fp32 value
         k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(kv_pos[None, :] <= q_pos[:, None], s * row_scale[:, None], float("-inf"))
+    if SPLIT:
+        seen = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= lo_pos[:, None])
+    else:
+        seen = kv_pos[None, :] <= q_pos[:, None]
+    s = tl.where(seen, s * row_scale[:, None], float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # An unchanged max must rescale by exactly 1 (not by a hardware exp2 approximation of 2^0), so tiles
     # that are fully masked for a row leave its state bit-identical.
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_new))
-    p = tl.exp2(s - m_new[:, None])
+    if SPLIT:   # a row whose split has not started yet (max still -inf) subtracts 0: p = 0, not NaN
+        p = tl.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    else:
+        p = tl.exp2(s - m_new[:, None])
     if KV_FP8:
         v = v.to(q.dtype)
         if V_CVT:
@@ -196,11 +207,12 @@ def paged_attention_kernel(
     PREFETCH: tl.constexpr = 0, DOT_SUM: tl.constexpr = 0, PDL: tl.constexpr = 0,
     part_ptr=None, ml_ptr=None, soff_ptr=None, slot_base=0, num_heads=0,
     MIN_TILES: tl.constexpr = 1, MAX_SPLITS: tl.constexpr = 0, FIXED_SLOTS: tl.constexpr = False,
-    ONE_TOKEN: tl.constexpr = False,
+    ONE_TOKEN: tl.constexpr = False, MERGE_IN_PLACE: tl.constexpr = False,
 ):
     wait_for_producers(PDL)   # kernels/pdl.py: before any load
     TOKEN_SPLITS: tl.constexpr = MAX_SPLITS > 0 and ONE_TOKEN       # one split layout per program (decode)
-    MERGE: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN   # every range of each row here, merged (prefill)
+    MERGE: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN and MERGE_IN_PLACE   # a row's ranges, merged here
+    ROW_SPLITS: tl.constexpr = MAX_SPLITS > 0 and not ONE_TOKEN and not MERGE_IN_PLACE   # one split per row
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(plan_ptr + 2 * pid)
@@ -224,9 +236,26 @@ def paged_attention_kernel(
         n_tiles, per_split, n_splits = split_layout(last_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
         if split >= n_splits:
             return   # past the token's last split (the static plan launches MAX_SPLITS per token)
+        lo_pos = 0
         tile_lo = split * per_split
         num_tiles = tl.minimum(tile_lo + per_split, n_tiles)
+    elif ROW_SPLITS:
+        # This program reduces split tl.program_id(2) of each of its rows, whose layout follows from the
+        # row's own position only.
+        tl.static_assert(not SWAP, "the split form runs the untransposed tile")
+        split = tl.program_id(2)
+        n_tiles, per_split, n_splits = split_layout(q_pos, BLOCK_N, MIN_TILES, MAX_SPLITS)
+        active = row_ok & (split < n_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_tiles)
+        lo_pos = lo * BLOCK_N
+        # the row's keys in this split: [lo_pos, min(q_pos, hi * BLOCK_N - 1)]; none for an inactive row
+        q_pos = tl.where(active, tl.minimum(q_pos, hi * BLOCK_N - 1), -1)
+        last_pos = tl.max(q_pos, axis=0)     # -1 when no row of the program has keys in this split
+        tile_lo = tl.where(last_pos >= 0, tl.min(tl.where(active, lo, 1 << 30), axis=0), 0)
+        num_tiles = tl.where(last_pos >= 0, last_pos // BLOCK_N + 1, 0)
     else:
+        lo_pos = 0
         tile_lo = 0
         last_pos = tl.max(q_pos, axis=0)
         num_tiles = last_pos // BLOCK_N + 1
@@ -318,7 +347,7 @@ def paged_attention_kernel(
             v = _load_tile(v_base, block, j, last_pos, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE,
                            HEAD_DIM)
             m_i, l_i, acc = _tile_update(q, k, v, kv_pos, q_pos, row_scale, m_i, l_i, acc, cvt_one,
-                                         IEEE, KV_FP8, V_CVT, DOT_SUM)
+                                         IEEE, KV_FP8, V_CVT, DOT_SUM, lo_pos, ROW_SPLITS)
             if MERGE:
                 # rows whose range ends at this tile and that have another range after it
                 ends = ((j + 1) % per_split == 0) & (j + 1 < row_tiles)
@@ -342,6 +371,15 @@ def paged_attention_kernel(
             else:
                 _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i,
                                l_i, row_ok, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
+        elif ROW_SPLITS:
+            # A one-split row normalises and stores as the unsplit form does; the others leave their
+            # split's state for kernels/split_combine.py (which applies an e4m3 cache's value scale).
+            single = active & (n_splits == 1)
+            out = acc / tl.where(single, l_i, 1.0)[:, None]
+            multi = active & (n_splits > 1)
+            _store_partial(part_ptr, ml_ptr, soff_ptr, t, head, d, split, slot_base, num_heads, acc, m_i, l_i,
+                           multi, HEAD_DIM, MAX_SPLITS, FIXED_SLOTS)
+            _store_out(out_ptr, out, t, head, d, stride_ot, stride_oh, single, v_scale_ptr, kv_head, KV_FP8)
         elif MERGE:
             # The last range folds in as the combine's last step; a row of one range normalises its own
             # state, as the one-program form (and the combine, which skips such rows) does.

@@ -2,15 +2,15 @@
 started by tests/kernels/test_paged_attention_variants_cpu.py), tiny shapes, float32 and e4m3 caches.
 
 A row past the policy's threshold reduces its keys in several ranges (kernels/split_plan.py): in a decode step
-each range is its own program, merged by kernels/split_combine.py; in a prefill or mixed step one program
-reduces its rows' ranges one after another and merges them as it goes. Checked here: agreement with
-paged_attention_ref for prefill, chunked, prefix-hit and decode rows in every tile family the engine runs
-(plain, DOT_SUM, PREFETCH, FP16_KV on e4m3); rows of one split keep the one-program form's bits exactly; the
-static decode plan (a CUDA graph's) gives the host plan's bits, also when the scratch budget cuts it into
-several launches; a decode step's split programs and combine give a row the bits of the merging prefill
-program under the same tile config; the default policy splits exactly from SPLIT_FROM on. Decode and prefill
-rows under their own configs (different MMA shapes) are compared bit for bit on the GPU: tests/kernels/
-test_paged_attention_decode_gpu.py.
+each range is its own program, merged by kernels/split_combine.py; in a prefill or mixed step either the same
+(tiles without MERGE_IN_PLACE: the host plan's split programs and the combine) or one program reduces its
+rows' ranges one after another and merges them as it goes. Checked here: agreement with paged_attention_ref
+for prefill, chunked, prefix-hit and decode rows in every tile family the engine runs (plain, DOT_SUM,
+PREFETCH, FP16_KV on e4m3); rows of one split keep the one-program form's bits exactly; the static decode plan
+(a CUDA graph's) gives the host plan's bits, also when the scratch budget cuts it into several launches; a
+decode step's split programs and combine give a row the bits of either prefill form under the same tile
+config; the default policy splits exactly from SPLIT_FROM on. Decode and prefill rows under their own configs
+(different MMA shapes) are compared bit for bit on the GPU: tests/kernels/test_paged_attention_decode_gpu.py.
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ def step():
 
 
 def _cfg(block_m: int, dot_sum: int = 0, prefetch: int = 0, fp16_kv: int = 0, vcvt: int = 0, warps: int = 4,
-         stages: int = 2) -> dict[str, int]:
+         stages: int = 2, merge: int = 0) -> dict[str, int]:
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // (HQ // HKV), "BLOCK_N": BLOCK_N, "num_warps": warps,
             "num_stages": stages, "SWAP": 0, "FP16_KV": fp16_kv, "V_NAT": 0, "V_CVT": vcvt,
-            "PREFETCH": prefetch, "DOT_SUM": dot_sum}
+            "PREFETCH": prefetch, "DOT_SUM": dot_sum, "MERGE_IN_PLACE": merge}
 
 
-CONFIGS = {   # the engine's tile families, in tiny form
-    "plain_prefill": _cfg(32),
-    "plain_decode": _cfg(16),
+CONFIGS = {   # the engine's tile families, in tiny form; merge: prefill programs merge their rows' ranges
+    "plain_prefill": _cfg(32, merge=1),
+    "plain_decode": _cfg(16, merge=1),
+    "plain_split_programs": _cfg(32),
     "dot_sum_one_warp": _cfg(16, dot_sum=1, warps=1, stages=3),
     "dot_sum_prefill": _cfg(64, dot_sum=1, warps=2),
     "prefetch": _cfg(32, prefetch=1, stages=3),
@@ -93,7 +94,7 @@ def test_split_form_matches_reference(pa, step, name, e4m3):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("name", ["plain_prefill", "dot_sum_prefill", "prefetch"])
+@pytest.mark.parametrize("name", ["plain_prefill", "plain_split_programs", "dot_sum_prefill", "prefetch"])
 def test_rows_of_one_split_keep_the_one_program_bits(pa, step, name):
     q, kc, vc, meta, scale, ks, vs = _operands(step, False)
     split = pa.launch_paged_attention(q, kc, vc, meta, scale, ks, vs, CONFIGS[name], split=POLICY)
@@ -132,19 +133,24 @@ def test_static_decode_plan_gives_the_host_plans_bits(pa, positions, bucket):
                                rtol=2e-5)
 
 
-def test_scratch_budget_cuts_launches_without_changing_bits(pa, monkeypatch):
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_scratch_budget_cuts_launches_without_changing_bits(pa, step, monkeypatch, kind):
+    """The host plan of split programs (a decode step, or a prefill under tiles without MERGE_IN_PLACE)."""
     from deepinfer.kernels import split_combine
 
-    positions = [300, 5, 70, 170, 64, 63, 299, 100]
-    blocks, kc, vc, q = _decode_case(positions, seed=5)
-    meta, _ = padded_decode_metadata(blocks, positions, len(positions), BS)
-    qs = q[:len(positions)].contiguous()
-    cfg = CONFIGS["plain_decode"]
-    whole = pa.launch_paged_attention(qs, kc, vc, meta, 0.3, None, None, cfg, split=POLICY)
+    if kind == "decode":
+        positions = [300, 5, 70, 170, 64, 63, 299, 100]
+        blocks, kc, vc, q = _decode_case(positions, seed=5)
+        meta, _ = padded_decode_metadata(blocks, positions, len(positions), BS)
+        args = (q[:len(positions)].contiguous(), kc, vc, meta, 0.3, None, None, CONFIGS["plain_decode"])
+    else:
+        q, kc, vc, meta, scale, ks, vs = _operands(step, True)
+        args = (q, kc, vc, meta, scale, ks, vs, dict(CONFIGS["plain_split_programs"], FP16_KV=1, V_CVT=1))
+    whole = pa.launch_paged_attention(*args, split=POLICY)
     # two (token, split) slots per launch: the host plan cuts the step into many launch groups
     monkeypatch.setattr(split_combine, "SCRATCH_BUDGET_BYTES", 2 * HQ * (D + 2) * 4)
-    meta.__dict__.pop("_split_kv_plans", None)
-    cut = pa.launch_paged_attention(qs, kc, vc, meta, 0.3, None, None, cfg, split=POLICY)
+    args[3].__dict__.pop("_split_kv_plans", None)
+    cut = pa.launch_paged_attention(*args, split=POLICY)
     assert not whole.isnan().any() and same_bits(cut, whole)
 
 
@@ -163,6 +169,9 @@ def test_default_policy_splits_from_split_from_on_but_for_16_bit_128_dim_heads(p
         assert counts.tolist() == ([1, 2, pa.MAX_SPLITS] if splits else [1, 1, 1])
         assert pol.split_from(cfg["BLOCK_N"]) == (pa.SPLIT_FROM if splits else None)
         assert cfg["SPLIT"] == splits
+        # the four-warp plain tiles merge a prefill row's ranges in place; the one-/two-warp DOT_SUM tiles
+        # cannot hold the second accumulator and keep the split programs (kernels/paged_attention.py)
+        assert cfg["MERGE_IN_PLACE"] == (cfg["DOT_SUM"] == 0)
 
 
 def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):
@@ -178,12 +187,14 @@ def test_graph_steps_split_as_captured_and_prefill_graphs_never(pa, step):
     assert not pa._needs_split(meta, SplitPolicy(min_tiles=10, max_splits=3), BLOCK_N)
 
 
-@pytest.mark.parametrize("name", ["plain_decode", "dot_sum_one_warp"])
-def test_decode_rows_take_the_bits_of_the_same_rows_in_a_prefill(pa, name):
+@pytest.mark.parametrize("name,merge", [("plain_decode", 1), ("plain_decode", 0), ("dot_sum_one_warp", 0),
+                                        ("dot_sum_one_warp", 1)])
+def test_decode_rows_take_the_bits_of_the_same_rows_in_a_prefill(pa, name, merge):
     """A decode step's programs hold one token, so its split layout is one scalar and its loop the plain
-    one; a prefill program keeps a layout per row. Under one tile config (the interpreter's matmul is only
-    reproducible per shape) every decoded row equals its row of a full prefill, across split counts."""
-    cfg = CONFIGS[name]
+    one; a prefill program keeps a layout per row and either runs one split of its rows (merge 0) or all of
+    them, merging as it goes (merge 1). Under one tile config (the interpreter's matmul is only reproducible
+    per shape) every decoded row equals its row of a full prefill, across split counts."""
+    cfg = dict(CONFIGS[name], MERGE_IN_PLACE=merge)
     gen = torch.Generator().manual_seed(8)
     lens = [300, 170, 64]
     st = filled_step([(n, n) for n in lens], BS, HKV, D, gen, table_seed=6)
@@ -227,8 +238,8 @@ def test_cuda_ops_run_a_tiny_llama_with_split_rows_like_transformers(pa, tmp_pat
     assert forms == ["merge"] * 2 * layers + ["one_token"] * layers
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_policies_and_schedules_give_a_row_one_result(pa, seed):
+@pytest.mark.parametrize("seed,merge", [(0, 1), (1, 1), (2, 0), (3, 0)])
+def test_random_policies_and_schedules_give_a_row_one_result(pa, seed, merge):
     """Random split policies, sequence lengths and chunkings under one tile config: every row computed in a
     full prefill, in a chunk with a random start and as a decode step has the same bits, close to the
     reference."""
@@ -237,7 +248,7 @@ def test_random_policies_and_schedules_give_a_row_one_result(pa, seed):
     rng = random.Random(seed)
     policy = SplitPolicy(min_tiles=rng.randint(1, 3), max_splits=rng.randint(2, 5))
     lens = [rng.randint(1, 200) for _ in range(3)] + [rng.randint(100, 200)]
-    cfg = CONFIGS["plain_decode"]
+    cfg = dict(CONFIGS["plain_decode"], MERGE_IN_PLACE=merge)
     gen = torch.Generator().manual_seed(seed)
     st = filled_step([(n, n) for n in lens], BS, HKV, D, gen, table_seed=seed)
     q = torch.randn(st.meta.num_tokens, HQ, D, generator=gen)
