@@ -84,7 +84,8 @@ _LOG2E = 1.4426950408889634
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 # (e4m3 cache, head_dim == 128) -> (BLOCK_N, decode stages, prefill warps, prefill rows, prefill stages,
-# split-KV by default (see SPLIT_FROM), stages of the split form's decode programs)
+# split-KV by default (see SPLIT_FROM), stages of the split form's decode programs); prefill rows of these
+# tiles split in programs of their own (MERGE_IN_PLACE 0, see SPLIT_FROM)
 _DOT_SUM_TILES = {
     (True, True): (16, 4, 1, 32, 3, 1, 4),
     (True, False): (32, 3, 2, 64, 3, 1, 3),
@@ -93,17 +94,21 @@ _DOT_SUM_TILES = {
 }
 _PLAN_ATTR = "_paged_attention_plans"
 # Split-KV (kernels/split_plan.py): a row at position >= SPLIT_FROM reduces its keys in up to MAX_SPLITS
-# ranges of whole tiles, each its own program, merged by kernels/split_combine.py. Below it a row keeps the
-# one-program form and its bits (no benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it
-# buys is decode programs for long rows in small batches: a batch of 8 on a model with 2 kv heads is 16
-# programs on 132 SMs, each streaming its whole context alone. Measured on the H200 (benchmarks/RESULTS.md,
-# 2026-12-05 02:40, benchmarks/attn_split.py): 1-16 long rows decode 2.1-6.9x faster, 64 rows at 2,048
-# positions 1.2-1.3x; a full batch (256 rows at 2,048) 0.91-1.06x; and prefill rows, which must split as
-# decode rows do, pay 0.78-0.95x on e4m3 caches and 0.59-0.61x on a bf16 cache with 64-dim heads. On by
-# default (the tile config's SPLIT) where the split form compiled for sm_90 keeps its key loop free of
-# spills; off for a 16-bit cache with 128-dim heads (the 8B shape), whose one-warp decode tile spills inside
-# that loop at its 3 stages in the split form and not at 2 (RESULTS.md, 2026-12-04 19:20); forced on at 2
-# stages it shows the same trade (`split=` asks for it).
+# ranges of whole tiles, merged in order. Below it a row keeps the one-program form and its bits (no
+# benchmark shape reaches it: 256 x 512 -> 256 tops out at 768). What it buys is decode programs for long
+# rows in small batches: a batch of 8 on a model with 2 kv heads is 16 programs on 132 SMs, each streaming
+# its whole context alone. Measured on the H200 (benchmarks/RESULTS.md, 2026-12-05 02:40 and 05:30,
+# benchmarks/attn_split.py): 1-16 long rows decode 2.2-6.9x faster, 64 rows at 2,048 positions 1.2-1.3x, a
+# full batch (256 rows at 2,048) 0.92-1.07x. Prefill rows must split as decode rows do. The four-warp plain
+# tiles (MERGE_IN_PLACE) reduce a row's ranges in one program and merge them there: 0.96-0.98x the unsplit
+# prefill on a bf16 cache with 64-dim heads (the split programs cost 0.59-0.61x there), and a 64 x 4,096 ->
+# 128 job on the 0.5B shape ran 8% faster than without split-KV. The one- and two-warp DOT_SUM tiles cannot
+# hold the running merge's second accumulator (they spill, or at four warps ran at 0.40-0.51x), so their
+# prefill rows keep the split programs and the combine (e4m3 caches: 0.78-0.95x). On by default (the tile
+# config's SPLIT) where the split form compiled for sm_90 keeps its key loop free of spills; off for a
+# 16-bit cache with 128-dim heads (the 8B shape), whose one-warp decode tile spills inside that loop at its
+# 3 stages in the split form and not at 2 (RESULTS.md, 2026-12-04 19:20); forced on at 2 stages it shows
+# the same trade (`split=` asks for it).
 SPLIT_FROM = 1024
 MAX_SPLITS = 8
 
