@@ -13,9 +13,8 @@ For each head shape (benchmarks/attn_variants.py's SHAPES) and cache (bf16, e4m3
   512 programs of 5-6 key tiles, of which 3 fit an SM (1.3 waves on 132 SMs).
 Decode steps run the CUDA-graph form (the static decode plan; split_kv set as the runner sets it); prefill
 steps the host plan's split programs, or, for the tiles with MERGE_IN_PLACE, programs that merge their rows'
-ranges themselves. `same_bits`:
-decode rows of 24 random-length sequences (up to 2,600 positions) equal their rows of a full prefill and of
-chunks with random starts under that policy. Needs a CUDA GPU.
+ranges themselves. `same_bits`: decode rows of 24 random-length sequences (up to 2,600 positions) equal their
+rows of a full prefill and of chunks with random starts under that policy. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caches", default="bf16,e4m3")
     ap.add_argument("--out", default=None)
     ap.add_argument("--policies", default=None,
-                    help="comma-separated, of one_program, default, from_1k, from_512, from_256 (all)")
+                    help="comma-separated, of default, from_1k, from_512, from_256 (all); one_program, "
+                         "the ratios' base, always runs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("attn_split.py needs a CUDA GPU")

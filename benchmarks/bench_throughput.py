@@ -59,7 +59,9 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
 # Arm suffixes that move paged attention's split-KV threshold (kernels/paged_attention.SPLIT_FROM, 1,024) for
 # the arm, where the shape's tiles split at all: an A/B of a layout change before it ships. Rows past the
 # threshold change their bits, so such an arm's tokens are compared with its own first run only.
-ARM_SPLIT_FROM = {"split512": 512, "split256": 256, "nosplit": 1 << 40}
+ARM_SPLIT_FROM = {"split512": (512, "split-KV from 512 positions"),
+                  "split256": (256, "split-KV from 256 positions"),
+                  "nosplit": (1 << 40, "no split-KV")}
 # Arm suffixes that change what the arm samples (default: greedy), with their SamplingParams fields.
 ARM_SAMPLING = {"topp": ({"temperature": 0.9, "top_k": 50, "top_p": 0.95},
                          "seeded sampling with top-k 50 and top-p 0.95 at T = 0.9"),
@@ -92,7 +94,7 @@ def arm_env(mode: str):
 
     split_from = paged_attention.SPLIT_FROM
     for x in suffixes:
-        paged_attention.SPLIT_FROM = ARM_SPLIT_FROM.get(x, paged_attention.SPLIT_FROM)
+        paged_attention.SPLIT_FROM = ARM_SPLIT_FROM.get(x, (paged_attention.SPLIT_FROM,))[0]
     try:
         yield
     finally:
@@ -275,9 +277,8 @@ def main() -> None:
         unknown = base not in ("deterministic", "fast") or any(
             x not in ARM_SWITCHES and x not in ARM_SAMPLING and x not in ARM_SPLIT_FROM for x in suffixes)
         if mode != "hf" and unknown:
-            known = ", ".join([f"+{k} ({v[1]})" for k, v in {**ARM_SWITCHES, **ARM_SAMPLING}.items()]
-                              + [f"+{k} (split-KV from {v} positions)" for k, v in ARM_SPLIT_FROM.items()
-                                 if k != "nosplit"] + ["+nosplit (no split-KV)"])
+            known = ", ".join(f"+{k} ({v[1]})"
+                              for k, v in {**ARM_SWITCHES, **ARM_SAMPLING, **ARM_SPLIT_FROM}.items())
             raise SystemExit(f"--modes: {mode!r} is not hf, or deterministic/fast with suffixes: {known}")
     together = {}
     if args.interleave:
