@@ -127,7 +127,7 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
         # programs of one or two warps; the row sums through the tensor core so the warps may differ;
         # mma.sync for all (at most two warps: wgmma needs whole warpgroups).
         block_n, dec_stages, pre_warps, pre_m, pre_stages, split, split_stages = tiles
-        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split, "MERGE_IN_PLACE": 0,
+        cfg = {"BLOCK_N": block_n, "DOT_SUM": 1, "PREFETCH": int(kv_fp8), "SPLIT": split,
                "SPLIT_DECODE_STAGES": split_stages,
                "FP16_KV": int(kv_fp8 and dtype == torch.bfloat16), "V_CVT": int(kv_fp8)}
         if decode and rows <= DECODE_BLOCK_M:
@@ -144,12 +144,15 @@ def attention_tile_config(group: int, head_dim: int, dtype: torch.dtype, kv_fp8:
             block_m = max(DECODE_BLOCK_M, rows)
         # Past mma.sync's reach (a group of 64+ heads) decode takes the prefill tile itself.
         cfg = {"BLOCK_N": block_n, "num_stages": 2, "num_warps": 4, "PREFETCH": 0, "DOT_SUM": 0, "SPLIT": 1,
-               "MERGE_IN_PLACE": 1, "FP16_KV": 0, "V_CVT": 0}
+               "FP16_KV": 0, "V_CVT": 0}
     else:          # float32 (the CPU interpreter) and head_dim > 128
         block_m = max(64, rows)
-        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "SPLIT": 1, "MERGE_IN_PLACE": 1, "FP16_KV": 0,
-               "V_CVT": 0, "PREFETCH": 0, "DOT_SUM": 0}
+        cfg = {"BLOCK_N": 32, "num_stages": 2, "num_warps": 4, "SPLIT": 1, "FP16_KV": 0, "V_CVT": 0,
+               "PREFETCH": 0, "DOT_SUM": 0}
     assert cfg["BLOCK_N"] % KV_CHUNK == 0
+    # Prefill split rows merged in their own program: only where the tile has four warps to hold the second
+    # accumulator, i.e. not the one- and two-warp DOT_SUM tiles (see SPLIT_FROM).
+    cfg["MERGE_IN_PLACE"] = int(not cfg["DOT_SUM"])
     return {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "SWAP": 0, "V_NAT": 0, **cfg}
 
 
