@@ -139,6 +139,7 @@ def driver_loop(spec_path: str, output: str, max_parts: int) -> dict:
     """Rows/s of what the driver does per part on the Ray executor, engines left out."""
     from deepinfer.pipeline import runner
     from deepinfer.pipeline.output.job_store import JobStore
+    from deepinfer.pipeline.output.numerics import part_stacks
     from deepinfer.pipeline.spec.load import load_spec
     from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
     from deepinfer.pipeline.stages.read import list_input
@@ -160,7 +161,7 @@ def driver_loop(spec_path: str, output: str, max_parts: int) -> dict:
         stats.add_batch(block)
         for part, table in collector.add(block):
             ok, errors = assembler.build(table)
-            store.commit(part.part_id, ok, errors)
+            store.commit(part.part_id, ok, errors, part_stacks(table))
     elapsed = time.perf_counter() - start
     store.close()
     rows = sum(t.num_rows for t in tasks)

@@ -35,6 +35,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.parallel.setup import check_tensor_parallel_size, tensor_parallel_model
 from deepinfer.engine.runner.cuda_graphs import capture_mode, env_flag, make_decode_graphs
 from deepinfer.engine.runner.model_runner import ModelRunner
+from deepinfer.engine.runner.numerics_stack import numerics_stack
 from deepinfer.engine.runner.prefill_graphs import make_prefill_graphs
 from deepinfer.engine.runner.step_executor import StepExecutor
 from deepinfer.engine.sample.params import SamplingParams
@@ -216,6 +217,11 @@ class LLM:
     def structured(self) -> StructuredOutputManager:
         """The structured-output manager (built now if no constrained request has needed it yet)."""
         return self._structured.manager
+
+    @property
+    def numerics_stack(self) -> str:
+        """The stack this engine computes with (runner/numerics_stack.py): same line, same output bits."""
+        return numerics_stack(self.device)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -97,6 +97,13 @@ class FingerprintMismatch(JobError):
         return type(self), (self.output_url, self.differences)
 
 
+class NumericsMismatch(JobError):
+    """A deterministic job's part would be computed on another numerics stack than its committed parts
+    (output/numerics.py): exit 4, as for another job's output (resume on that stack, or --restart)."""
+
+    exit_code = ExitCode.OTHER_JOB
+
+
 class ErrorBudgetExceeded(JobError):
     """More rows failed than ``max_error_fraction`` allows (exit 3, after committing what succeeded)."""
 

@@ -26,6 +26,7 @@ from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify
 from deepinfer.pipeline.executors.engine_preload import EnginePreload, preload_for
 from deepinfer.pipeline.output.job_store import CommitOutcome, JobStore, failure_reason
 from deepinfer.pipeline.output.lease import ray_node
+from deepinfer.pipeline.output.numerics import part_stacks
 from deepinfer.pipeline.output.worker_commit import CommitTarget, commit_report, report_errors
 from deepinfer.pipeline.part_collector import PartCollector  # noqa: F401 - re-exported (tests, benchmarks)
 from deepinfer.pipeline.parts import PartSpec, PartTask, plan_parts
@@ -328,7 +329,7 @@ def commit_target(ctx: RunContext) -> CommitTarget:
 def _commit_here(ctx: RunContext, part: PartTask, table: pa.Table) -> tuple[CommitOutcome, pa.Table]:
     """Commit a part on the driver (local executor; a Ray part whose rows came back split)."""
     ok, errors = ctx.assembler.build(table)
-    outcome = ctx.store.commit(part.part_id, ok, errors)
+    outcome = ctx.store.commit(part.part_id, ok, errors, part_stacks(table))
     if outcome.mine:
         rows = outcome.rows + outcome.error_rows
         ctx.stats.add_commit_place(part.part_id, rows, "driver", ray_node(), None)
@@ -341,7 +342,7 @@ def _run_parts(ctx: RunContext, todo: list[PartTask]) -> int:
     if not todo:
         return 0
     collector = PartCollector(todo)
-    plan = StagePlan.from_spec(ctx.spec)
+    plan = replace(StagePlan.from_spec(ctx.spec), numerics=ctx.store.expected_numerics())
     clock = ctx.stats.clock
     clock.mark("executor_requested")
     if ctx.options.execute is not None:

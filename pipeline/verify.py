@@ -167,15 +167,22 @@ def _check_fingerprint(spec: JobSpec, record: dict, listing: list, report: Verif
 
 
 def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: list[CommittedRow],
+              numerics: dict[str, list[str]], notes: list[str],
               ) -> dict[tuple[str, str, int | None], tuple[dict[str, Any] | None, str | None]]:
     """(part id, row id, sample index or None) -> (recomputed output row decoded like a committed one, or
-    None and the error; a quarantined row is entered under sample None)."""
+    None and the error; a quarantined row is entered under sample None). `numerics`: each part's stacks
+    (its marker's); a note is added to `notes` when this machine's engine computes with another."""
     from deepinfer.pipeline.runner import make_assembler
     from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
     plan = StagePlan.from_spec(spec)
     assembler = make_assembler(spec, listing)
     engine = plan.engine_stage()
+    stacks = sorted({s for r in rows for s in numerics.get(r.part_id, [])})
+    if engine.numerics is not None and any(s != engine.numerics for s in stacks):
+        notes.append(f"the sampled rows were computed with {'; '.join(f'[{s}]' for s in stacks)}, this "
+                     f"machine computes with [{engine.numerics}]: a row that differs may differ for that "
+                     "reason alone (deterministic output holds on one numerics stack)")
     wanted: dict[str, set[str]] = {}
     for r in rows:
         wanted.setdefault(r.part_id, set()).add(r.row_id)
@@ -218,7 +225,8 @@ def verify_output(url: str, sample: int, seed: int = 0, storage_options: dict | 
     if not report.sampled:
         return report
     tasks, listing = _job_tasks(spec, record, report)
-    results = recompute(spec, tasks, listing, report.sampled)
+    stacks = {pid: list(m.get("numerics") or []) for pid, m in reader.read_markers().items()}
+    results = recompute(spec, tasks, listing, report.sampled, stacks, report.notes)
     for row in report.sampled:
         recomputed, error = results.get((row.part_id, row.row_id, row.sample),
                                         results.get((row.part_id, row.row_id, None),

@@ -28,9 +28,12 @@ a deepinfer job (its ``_job.json``); anything else is refused with exit 2 naming
 ``--restart``, which deletes only what this output's own manifest lists (markers and the objects they
 reference, ``_SUCCESS``, ``_FAILED``, ``_job.json``, and orphans under deepinfer's own names).
 
+Numerics (numerics.py): a deterministic job's parts all come from one numerics stack, recorded by its
+first commit; a part from another is refused before it is written.
+
 Fault injection: the protocol calls ``hooks.reached(point)`` at each of :data:`KILL_POINTS` when an
-``OutputStore`` is given a ``hooks`` object (or ``OutputStore.default_hooks`` is set, which only test
-support code does: tests/support/kill_hooks.py); without one those calls do nothing.
+``OutputStore`` is given ``hooks`` (or ``OutputStore.default_hooks`` is set: only tests/support/kill_hooks.py
+does); without one those calls do nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -46,17 +48,19 @@ from deepinfer.pipeline.errors import ERROR_SCHEMA, FingerprintMismatch, Retryab
 from deepinfer.pipeline.output import ownership, storage
 from deepinfer.pipeline.output.encoding import EXTENSIONS, check_format, encode_table
 from deepinfer.pipeline.output.fingerprint import diff_fingerprints
+from deepinfer.pipeline.output.job_record import ResumeState, make_job_record
 from deepinfer.pipeline.output.layout import (
     COMMITS_DIR,
     ERRORS_DIR,
     JOB_FILE,
+    NUMERICS_FILE,
     PARTS_DIR,
     SUCCESS_FILE,
     OutputReader,
     dumps,
 )
 from deepinfer.pipeline.output.lease import Lease, read_leases, remove_committers
-from deepinfer.pipeline.parts import PartSpec
+from deepinfer.pipeline.output.numerics import OutputNumerics, enforced
 
 KILL_POINTS = (
     "before_part_data_written",
@@ -66,7 +70,6 @@ KILL_POINTS = (
     "during_restart",  # after the first object of the old output was deleted
     "before_success",
 )
-JOB_RECORD_VERSION = 1
 __all__ = ["COMMITS_DIR", "KILL_POINTS", "CommitHooks", "OutputStore", "ResumeState", "make_job_record"]
 
 
@@ -75,38 +78,6 @@ class CommitHooks(Protocol):
 
     def reached(self, point: str) -> None:
         """Called at `point`; may kill the process (tests do), must not change what is written."""
-
-
-def make_job_record(
-    spec: Mapping[str, Any], fingerprint: Mapping, parts: Sequence[PartSpec], fmt: str
-) -> dict:
-    """The ``_job.json`` content :meth:`OutputStore.begin` expects. ``spec`` must hold no secrets."""
-    check_format(fmt)
-    return {
-        "deepinfer_job": JOB_RECORD_VERSION,
-        "spec": dict(spec),
-        "fingerprint": dict(fingerprint),
-        "format": fmt,
-        "num_parts": len(parts),
-        "num_rows": sum(p.num_rows for p in parts),
-        "parts": [p.to_dict() for p in parts],
-    }
-
-
-@dataclass(frozen=True)
-class ResumeState:
-    """What :meth:`OutputStore.begin` found.
-
-    ``committed``: part ids already committed (skip them). ``complete``: ``_SUCCESS`` exists, nothing to do
-    and nothing was written. ``resumed``: an earlier run of the same job existed. ``restarted``: an old
-    output was deleted (--restart). ``orphans_removed``: leftovers of killed runs deleted by this begin.
-    """
-
-    committed: frozenset[str]
-    complete: bool
-    resumed: bool
-    restarted: bool
-    orphans_removed: int
 
 
 class OutputStore(OutputReader):
@@ -138,6 +109,7 @@ class OutputStore(OutputReader):
         self._plan: dict[str, int] = {}
         self._hooks = hooks if hooks is not None else OutputStore.default_hooks
         self._created_job = False  # this run wrote _job.json (so may take it back: discard_if_unstarted)
+        self.numerics: OutputNumerics | None = None  # the job's numerics stack, once begin/attach adopted it
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin(self, job_record: Mapping[str, Any], restart: bool = False) -> ResumeState:
@@ -236,6 +208,7 @@ class OutputStore(OutputReader):
     def _adopt(self, record: Mapping) -> None:
         self._job = dict(record)
         self._plan = {p["part_id"]: int(p["num_rows"]) for p in record["parts"]}
+        self.numerics = OutputNumerics(self.fs, self.path(NUMERICS_FILE), self.url, enforced(record))
 
     @property
     def job(self) -> dict | None:
@@ -250,7 +223,7 @@ class OutputStore(OutputReader):
             return False
         if self._lease is None or self._lease.others():  # a racing run adopted this record: keep it
             return False
-        for name in (SUCCESS_FILE, ownership.FAILED_FILE, JOB_FILE):
+        for name in (SUCCESS_FILE, ownership.FAILED_FILE, NUMERICS_FILE, JOB_FILE):
             storage.remove(self.fs, self.path(name))
         self._created_job = False
         return True
@@ -269,7 +242,7 @@ class OutputStore(OutputReader):
 
     # ---- committing --------------------------------------------------------------------------------
     def commit_part(self, part_id: str, rows: pa.Table, errors: pa.Table | None, fmt: str,
-                    input_rows: int | None = None) -> bool:
+                    input_rows: int | None = None, numerics: Sequence[str] = ()) -> bool:
         """Commit one part's result rows and error rows together, exactly once.
 
         ``rows`` and ``errors`` (:data:`~deepinfer.pipeline.errors.ERROR_SCHEMA`) are in input order and
@@ -277,9 +250,11 @@ class OutputStore(OutputReader):
         committed the part, False when it already was committed (by an earlier or a racing run) — then
         nothing of the committed part is touched. ``input_rows``: how many input rows ``rows`` covers when
         that is not its row count (sampling.n > 1: one result row per sample); the marker's ``rows``
-        counts input rows, each object's ``rows`` the rows in its file.
+        counts input rows, each object's ``rows`` the rows in its file. ``numerics``: the stacks of the
+        engines that generated the rows (numerics.part_stacks), checked against the job's before anything
+        is written (NumericsMismatch in a deterministic job) and listed in the marker.
         """
-        if self._job is None or self._lease is None:
+        if self._job is None or self._lease is None or self.numerics is None:
             raise RuntimeError("call OutputStore.begin() first (no commits once the job is complete)")
         check_format(fmt)
         if fmt != self._job["format"]:
@@ -297,6 +272,7 @@ class OutputStore(OutputReader):
             errors = errors.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA)
         if storage.read_bytes(self.fs, self.marker_path(part_id)) is not None:
             return False
+        self.numerics.claim(part_id, list(numerics))
         since = time.monotonic()  # the fence: the lease must stay fresh from here to the marker
         self._maybe_kill("before_part_data_written")
         written = []
@@ -313,6 +289,8 @@ class OutputStore(OutputReader):
             codes[code] = codes.get(code, 0) + 1
         marker = {"part_id": part_id, "format": fmt, "rows": n_rows, "error_rows": n_err,
                   "error_codes": codes, "objects": written}
+        if numerics:
+            marker["numerics"] = list(numerics)
         if not self._lease.held_since(since):
             raise RetryableError(f"part {part_id} of {self.url}: this writer's lease went stale while it "
                                  "wrote the part (storage unreachable or the process paused), so another "

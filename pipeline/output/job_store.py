@@ -73,11 +73,12 @@ def input_rows_of(rows: pa.Table) -> int:
     return sum(1 for s in rows.column("sample_index").to_pylist() if s == 0)
 
 
-def commit_outcome(store: OutputStore, fmt: str, part_id: str, rows: pa.Table, errors: pa.Table
-                   ) -> CommitOutcome:
-    """Commit a part through `store` (a driver's, or a committer's: worker_commit.py) exactly once."""
+def commit_outcome(store: OutputStore, fmt: str, part_id: str, rows: pa.Table, errors: pa.Table,
+                   numerics: list[str]) -> CommitOutcome:
+    """Commit a part through `store` (a driver's, or a committer's: worker_commit.py) exactly once;
+    `numerics`: the stacks its rows were generated with (output/numerics.py)."""
     n_in = input_rows_of(rows)
-    if store.commit_part(part_id, rows, errors, fmt, input_rows=n_in):
+    if store.commit_part(part_id, rows, errors, fmt, input_rows=n_in, numerics=numerics):
         return CommitOutcome(True, n_in, errors.num_rows)
     marker = store.read_marker(part_id) or {}
     return CommitOutcome(False, int(marker.get("rows", n_in)), int(marker.get("error_rows", errors.num_rows)))
@@ -122,9 +123,14 @@ class JobStore:
         success = self.store.read_success()
         return success.get("summary") if isinstance(success, dict) else None
 
-    def commit(self, part_id: str, rows: pa.Table, errors: pa.Table) -> CommitOutcome:
+    def commit(self, part_id: str, rows: pa.Table, errors: pa.Table, numerics: list[str]) -> CommitOutcome:
         """Commit a part exactly once; a racing run that committed it first keeps it (and its counts)."""
-        return commit_outcome(self.store, self.format, part_id, rows, errors)
+        return commit_outcome(self.store, self.format, part_id, rows, errors, numerics)
+
+    def expected_numerics(self) -> str | None:
+        """The stack this job's engines must compute with (output/numerics.py), or None: a fast-mode
+        job, or no part committed yet."""
+        return None if self.store.numerics is None else self.store.numerics.expected()
 
     def write_success(self, summary: dict) -> None:
         self.clear_failure()

@@ -7,7 +7,8 @@
     errors/{part_id}-{h}.{ext}  quarantined rows of one part (only when it has any)
     _commits/{part_id}.json     commit marker (put-if-absent): {"part_id", "format", "rows", "error_rows",
                                 "error_codes": {code: n}, "objects": [{"kind", "path", "rows", "bytes",
-                                "sha256"}]}
+                                "sha256"}], "numerics": [stacks of the engines that generated its rows]}
+    _numerics.json              {"numerics": the stack the first commit's engine computed with} (numerics.py)
     metrics.json                with `eval:`: n, mean, standard error per metric (and group), before _SUCCESS
     _SUCCESS                    written last: {"parts", "rows", "error_rows", "summary"}
     _runs/{run_id}.json         leases of live runs (lease.py); removed when runs end
@@ -35,6 +36,7 @@ PARTS_DIR = "parts"
 ERRORS_DIR = "errors"
 COMMITS_DIR = "_commits"
 METRICS_FILE = "metrics.json"  # an `eval:` job's metrics (evaluation.py), written before _SUCCESS
+NUMERICS_FILE = "_numerics.json"  # the numerics stack of the job's parts (numerics.py), with its first commit
 
 
 def dumps(value: Any) -> bytes:
@@ -136,7 +138,8 @@ class OutputReader:
 
     def find_orphans(self) -> list[str]:
         """Objects no marker references: data of uncommitted parts, extra objects of committed parts (a
-        losing racer's, when outputs were not deterministic), and temp files of dead local writers. Only
+        losing racer's, when outputs were not deterministic), temp files of dead local writers, and a
+        `_numerics.json` while no part is committed (its run died before its first marker). Only
         deepinfer's own names are candidates (storage.is_data_name): a user's file is never an orphan."""
         committed = self.committed_part_ids()
         out: list[str] = []
@@ -151,6 +154,8 @@ class OutputReader:
                     continue
                 if directory in (PARTS_DIR, ERRORS_DIR) and storage.is_data_name(name):
                     per_part.setdefault(name[:PART_ID_LEN], []).append(name)
+                elif not directory and name == NUMERICS_FILE and not committed:  # claimed, never committed
+                    out.append(self.path(name))
             for part_id, part_names in sorted(per_part.items()):
                 if part_id not in committed:
                     out += [self.path(directory, n) for n in part_names]

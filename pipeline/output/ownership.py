@@ -10,7 +10,8 @@ deepinfer did not write. `/` and an object store's root (`s3://`) are refused ou
 
 What `--restart` deletes (:func:`manifest_objects`) is read from the output's own manifest: `_SUCCESS`,
 `_FAILED`, `metrics.json`, the commit markers and the objects they list, orphans under deepinfer's exact
-object names (`parts/{part_id}-{sha16}.{ext}`, temp files of dead writers), and `_job.json` last. A user's
+object names (`parts/{part_id}-{sha16}.{ext}`, temp files of dead writers), `_numerics.json`, and
+`_job.json` last. A user's
 `parts/notes.txt` survives it.
 """
 
@@ -27,6 +28,7 @@ from deepinfer.pipeline.output.layout import (
     ERRORS_DIR,
     JOB_FILE,
     METRICS_FILE,
+    NUMERICS_FILE,
     PARTS_DIR,
     SUCCESS_FILE,
     OutputReader,
@@ -108,8 +110,8 @@ def check_output(reader: OutputReader) -> dict | None:
 def manifest_objects(reader: OutputReader) -> list[str]:
     """What --restart deletes, in a kill-safe order: _SUCCESS and _FAILED (the verdicts), the markers
     (un-committing every part), the objects the markers listed, orphans under deepinfer's own names,
-    then _job.json. A kill part-way leaves _job.json, so the next --restart finishes the job; objects
-    whose markers are already gone are found again as orphans."""
+    then _numerics.json and _job.json. A kill part-way leaves _job.json, so the next --restart finishes
+    the job; objects whose markers are already gone are found again as orphans."""
     markers = reader.read_markers()
     referenced = [reader.path(obj["path"]) for m in markers.values() for obj in m.get("objects", [])
                   if isinstance(obj, dict) and _ours(str(obj.get("path", "")))]
@@ -117,7 +119,7 @@ def manifest_objects(reader: OutputReader) -> list[str]:
     paths += [reader.marker_path(pid) for pid in markers]
     paths += referenced
     paths += [p for p in reader.find_orphans() if p not in referenced]
-    return paths + [reader.path(JOB_FILE)]
+    return paths + [reader.path(NUMERICS_FILE), reader.path(JOB_FILE)]
 
 
 def _ours(rel: str) -> bool:

@@ -79,7 +79,8 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
     total_parts, total_rows, committed_parts, committed_rows, error_rows, error_codes (code -> count),
     complete, live_runs, live_committers (engine actors committing parts for a live run), failure (the
     ``_FAILED`` record: exit_code, reason, message, finished_at, parts_committed; or None), summary (the
-    _SUCCESS record, or None).
+    _SUCCESS record, or None), numerics (the numerics stacks the committed parts were computed with,
+    sorted: one for a deterministic job, output/numerics.py).
     """
     url = _output_url(target)
     store = OutputReader(*storage.open_fs(url, storage_options))
@@ -121,6 +122,7 @@ def job_status(target: str, storage_options: dict[str, Any] | None = None) -> di
         "live_committers": committers,
         "failure": failure if state == "failed" else None,
         "summary": success,
+        "numerics": sorted({str(s) for m in markers.values() for s in m.get("numerics") or []}),
     }
 
 
@@ -148,4 +150,6 @@ def render_status(status: dict[str, Any]) -> str:
     if status["error_codes"]:
         lines.append("errors:   " + ", ".join(f"{c}={n}" for c, n in status["error_codes"].items()))
     lines.append(f"job:      fingerprint {str(status['job_fingerprint'])[:16]}")
+    for i, stack in enumerate(status.get("numerics") or []):
+        lines.append(("numerics: " if i == 0 else " " * 10) + stack)
     return "\n".join(lines)

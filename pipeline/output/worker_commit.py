@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 from deepinfer.pipeline.output.commit import OutputStore
 from deepinfer.pipeline.output.job_store import commit_outcome
 from deepinfer.pipeline.output.lease import ray_node
+from deepinfer.pipeline.output.numerics import part_stacks
 from deepinfer.pipeline.stages import columns as C
 
 REPORT_SCHEMA = C.ENGINE_SCHEMA.append(pa.field("__commit", pa.string()))
@@ -81,7 +82,7 @@ class PartCommitter:
         reports = []
         for part_id, rows in groups:
             ok, errors = self.target.assembler.build(rows)
-            outcome = commit_outcome(self.store, self.target.fmt, part_id, ok, errors)
+            outcome = commit_outcome(self.store, self.target.fmt, part_id, ok, errors, part_stacks(rows))
             info = {"mine": outcome.mine, "rows": outcome.rows, "error_rows": outcome.error_rows,
                     "node": self.node, "committer": self.committer}
             reports.append(_report(rows, json.dumps(info, sort_keys=True)))

@@ -48,6 +48,9 @@ ENGINE_SCHEMA = pa.schema([
     # summary's `startup` object reads. Last so older tables concatenate; never written to parts
     # (assemble.py picks named columns).
     ("__spec", pa.string()),
+    # The numerics stack of the engine that generated the row (engine/runner/numerics_stack.py), null for
+    # rows no engine ran: what a commit checks and records (output/numerics.py).
+    ("__numerics", pa.string()),
 ])
 
 

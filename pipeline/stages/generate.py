@@ -119,7 +119,7 @@ class EngineStage:
     def __init__(self, model_ref: str, engine_kwargs: dict[str, Any], sampling_kwargs: dict[str, Any],
                  job_seed: int, output_schema: dict | None, stub: bool = False, schema_mode: str = "strict",
                  batch_input: bool = False, engines: EngineCache | None = None,
-                 on_imported: Callable[[], None] | None = None) -> None:
+                 on_imported: Callable[[], None] | None = None, numerics: str | None = None) -> None:
         from deepinfer.pipeline.errors import SpecError
         from deepinfer.pipeline.stages.engine_rows import RowRequests
         from deepinfer.pipeline.summary import process_started_epoch
@@ -148,6 +148,10 @@ class EngineStage:
         # per-row requests: Batch bodies, n samples, logprobs, choice options, output_schema_mode
         self.requests = RowRequests(sampling_kwargs, job_seed, output_schema, schema_mode, batch_input)
         self.engine_id = f"{socket.gethostname()}:{os.getpid()}"
+        # This engine's numerics stack (None: a stub), and the one the output's parts were computed with
+        # (`numerics`, a deterministic job's resume): generate_part refuses to run on another.
+        self.numerics: str | None = getattr(self.llm, "numerics_stack", None)
+        self.expected_numerics = numerics
         accepts_tqdm = "use_tqdm" in inspect.signature(self.llm.generate).parameters
         self._tqdm_kw = {"use_tqdm": False} if accepts_tqdm else {}
         self.first_token_at: float | None = None
@@ -200,7 +204,12 @@ class EngineStage:
                       finish: Callable[[pa.Table], pa.Table] | None = None) -> pa.Table:
         """Generate for a whole part (TOKENIZE_SCHEMA rows, length-sorted per window), `batch_size` rows
         per engine call (runtime.batch_size); returns its ENGINE_SCHEMA rows in one table, or what
-        `finish` (a Ray actor's commit) makes of them. The part's timing rides on its first row's `__spec`."""
+        `finish` (a Ray actor's commit) makes of them. The part's timing rides on its first row's `__spec`.
+        NumericsMismatch before anything is generated when this engine's stack is not the output's."""
+        if self.expected_numerics is not None and self.numerics not in (None, self.expected_numerics):
+            from deepinfer.pipeline.output.numerics import refusal
+
+            raise refusal(self.expected_numerics, [str(self.numerics)], f"engine {self.engine_id}")
         started = time.time()
         if table.num_rows <= batch_size:
             out = self(table)
@@ -232,7 +241,7 @@ class EngineStage:
         cols = {name: batch.column(name).to_pylist() for name in names}
         n = batch.num_rows
         for name in ("__text", "__finish", "__ntok", "__seed", "__json", "__engine", "__gen_s", "__t_first",
-                     "__extra", "__spec"):
+                     "__extra", "__spec", "__numerics"):
             cols[name] = [None] * n
         live = [i for i in range(n) if cols["__err_stage"][i] is None]
         ids = batch.column("__ids").to_pylist()
@@ -257,7 +266,7 @@ class EngineStage:
             self.first_token_at = time.time()
         for i, out in zip(live, outputs):
             cols["__seed"][i], cols["__engine"][i], cols["__gen_s"][i] = reqs[i].seed, self.engine_id, share
-            cols["__t_first"][i] = self.first_token_at
+            cols["__t_first"][i], cols["__numerics"][i] = self.first_token_at, self.numerics
             if isinstance(out, ValueError):
                 self._fail(cols, i, ("generate", "GENERATION_ERROR", str(out)))
                 continue

@@ -56,6 +56,10 @@ class StagePlan:
     batch_size: int
     sort_window: int
     extra: dict = field(default_factory=dict)
+    # The numerics stack the output's committed parts were computed with, in a deterministic job being
+    # resumed (output/numerics.py): its engines refuse to generate on another. Not from the spec: the
+    # driver sets it from the output (runner.py).
+    numerics: str | None = None
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> StagePlan:
@@ -93,7 +97,7 @@ class StagePlan:
                            self.output_schema, stub=bool(self.extra.get("stub_engine")),
                            schema_mode=self.extra.get("schema_mode", "strict"),
                            batch_input=bool(self.extra.get("batch_input")), engines=engines,
-                           on_imported=on_imported)
+                           on_imported=on_imported, numerics=self.numerics)
 
     def engine_key(self) -> str:
         """What decides the engine this plan's stage runs on: stages of plans with one key can share it."""

@@ -13,7 +13,7 @@ import time
 
 import pyarrow as pa
 import pytest
-from deepinfer.pipeline.errors import FingerprintMismatch, RetryableError
+from deepinfer.pipeline.errors import FingerprintMismatch, NumericsMismatch, RetryableError
 from deepinfer.pipeline.output.commit import OutputStore
 from deepinfer.pipeline.output.worker_commit import (
     CommitTarget,
@@ -36,12 +36,12 @@ class HarnessAssembler:
         return H.part_tables(self.parts[results.column("__part")[0].as_py()], 0)
 
 
-def engine_rows(part, rows: range | None = None) -> pa.Table:
+def engine_rows(part, rows: range | None = None, numerics: str | None = None) -> pa.Table:
     rows = part.row_range if rows is None else rows
     n = len(rows)
     return C.table({"__part": [part.part_id] * n, "__file": [part.file_index] * n, "__row": list(rows),
                     "__text": ["x"] * n, "__ntok": [1] * n, "__plen": [3] * n, "__engine": ["e@n"] * n,
-                    "__gen_s": [0.01] * n}, C.ENGINE_SCHEMA)
+                    "__gen_s": [0.01] * n, "__numerics": [numerics] * n}, C.ENGINE_SCHEMA)
 
 
 def leases(url) -> list[dict]:
@@ -94,6 +94,19 @@ def _reference(tmp_path) -> str:
     url = str(tmp_path / "ref")
     H.run(url)
     return url
+
+
+def test_committers_on_two_numerics_stacks_commit_only_the_first_ones_parts(driver) -> None:
+    store, parts, target = driver  # the synthetic job is deterministic (model.deterministic defaults on)
+    here, there = PartCommitter(target, "engine-a"), PartCommitter(target, "engine-b")
+    assert commit_report(here.commit(engine_rows(parts[0], numerics="cpu A")))["mine"]
+    with pytest.raises(NumericsMismatch, match=r"computed with \[cpu A\].*\[cuda B\]"):
+        there.commit(engine_rows(parts[1], numerics="cuda B"))
+    assert store.read_marker(parts[1].part_id) is None
+    assert commit_report(here.commit(engine_rows(parts[1], numerics="cpu A")))["mine"]
+    assert [store.read_marker(p.part_id)["numerics"] for p in parts[:2]] == [["cpu A"], ["cpu A"]]
+    here.close()
+    there.close()
 
 
 def test_a_committer_refuses_an_output_that_holds_another_job(driver) -> None:

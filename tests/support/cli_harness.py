@@ -28,16 +28,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def start_submit(spec: Path, output: str, *extra: str, env: dict | None = None,
-                 kill_at: str | None = None, pause_at: str | None = None) -> subprocess.Popen:
+                 kill_at: str | None = None, pause_at: str | None = None,
+                 numerics: str | None = None) -> subprocess.Popen:
     """`deepinfer-job submit SPEC --set output.path=OUTPUT ...` in a new session (own process group);
-    `kill_at` / `pause_at`: SIGKILL or pause it at commit-protocol points (tests/support/kill_hooks.py)."""
+    `kill_at` / `pause_at`: SIGKILL or pause it at commit-protocol points (tests/support/kill_hooks.py);
+    `numerics`: the numerics stack its in-process engine reports (as if on another machine)."""
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("DEEPINFER_TEST_KILL_AT", None)
-    full_env.pop("DEEPINFER_TEST_PAUSE_AT", None)
+    for name in ("DEEPINFER_TEST_KILL_AT", "DEEPINFER_TEST_PAUSE_AT", "DEEPINFER_TEST_NUMERICS"):
+        full_env.pop(name, None)
     module = "deepinfer.pipeline.cli"
-    if kill_at or pause_at:  # the product has no such hooks: the test entry point installs them
+    if kill_at or pause_at or numerics:  # the product has no such hooks: the test entry point installs them
         full_env["DEEPINFER_TEST_KILL_AT"] = kill_at or ""
         full_env["DEEPINFER_TEST_PAUSE_AT"] = pause_at or ""
+        full_env["DEEPINFER_TEST_NUMERICS"] = numerics or ""
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, full_env.get("PYTHONPATH")]))
         module = "tests.support.killable_cli"
     cmd = [sys.executable, "-m", module, "submit", str(spec), "--set", f"output.path={output}", *extra]
@@ -46,8 +49,8 @@ def start_submit(spec: Path, output: str, *extra: str, env: dict | None = None,
 
 
 def submit(spec: Path, output: str, *extra: str, env: dict | None = None,
-           kill_at: str | None = None) -> tuple[int, str, str]:
-    proc = start_submit(spec, output, *extra, env=env, kill_at=kill_at)
+           kill_at: str | None = None, numerics: str | None = None) -> tuple[int, str, str]:
+    proc = start_submit(spec, output, *extra, env=env, kill_at=kill_at, numerics=numerics)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
 
