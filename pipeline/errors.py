@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from deepinfer.pipeline.failures import first_line, must_fix, s3_code
+from deepinfer.pipeline.failures import first_line, flattened_error, must_fix, s3_code
 
 
 class ExitCode(enum.IntEnum):
@@ -311,19 +311,43 @@ def classify_exception(exc: BaseException) -> tuple[ExitCode, str]:
     return code, redact_text(message)
 
 
+_DECIDED = (ExitCode.USAGE, ExitCode.BUDGET, ExitCode.OTHER_JOB, ExitCode.RETRY)
+
+
+def _verdict(kind: type, code: Any, text: str) -> tuple[ExitCode, str] | None:
+    """The contract's verdict on a failure of type `kind` (exit code attribute `code`, message `text`)."""
+    if issubclass(kind, InputError):
+        return ExitCode.USAGE, f"invalid input: {text}"
+    if issubclass(kind, FingerprintMismatch):
+        return ExitCode.OTHER_JOB, f"output path holds another job: {text}"
+    if issubclass(kind, RetryableError):
+        return ExitCode.RETRY, f"retryable failure: {text} (run the same command again; it resumes)"
+    if isinstance(code, int) and code in _DECIDED:
+        return ExitCode(code), text
+    return None
+
+
+def _flattened_verdict(e: BaseException) -> tuple[ExitCode, str] | None:
+    """The verdict on a JobError that reached the driver only as text inside a Ray wrapper (Ray Data
+    re-raises a UDF's exception as a UserCodeException that does not keep it; an actor whose constructor
+    raised keeps only the formatted traceback)."""
+    found = flattened_error(e)
+    kind = globals().get(found[0]) if found is not None else None
+    if found is None or not (isinstance(kind, type) and issubclass(kind, JobError)):
+        return None
+    return _verdict(kind, kind.exit_code, found[1])
+
+
 def _classify(exc: BaseException) -> tuple[ExitCode, str]:
     chain = _cause_chain(exc)
     for e in chain:
-        code = getattr(e, "exit_code", None)
-        if isinstance(e, InputError):
-            return ExitCode.USAGE, f"invalid input: {e}"
-        if isinstance(e, FingerprintMismatch):
-            return ExitCode.OTHER_JOB, f"output path holds another job: {e}"
-        if isinstance(e, RetryableError):
-            return ExitCode.RETRY, f"retryable failure: {e} (run the same command again; it resumes)"
-        if isinstance(code, int) and code in (ExitCode.USAGE, ExitCode.BUDGET, ExitCode.OTHER_JOB,
-                                              ExitCode.RETRY):
-            return ExitCode(code), str(e)
+        verdict = _verdict(type(e), getattr(e, "exit_code", None), str(e))
+        if verdict is not None:
+            return verdict
+    for e in chain:
+        verdict = _flattened_verdict(e)
+        if verdict is not None:
+            return verdict
     # The S3 error response, when there is one, is the most specific account of what happened (s3fs
     # wraps it in a generic PermissionError/OSError); it decides alone.
     s3 = [e for e in chain if s3_code(e) is not None]

@@ -25,10 +25,9 @@ _S3_FIX = {"AccessDenied": "access denied: check the credentials' permissions fo
            "InvalidBucketName": "the bucket name is not valid"}
 _S3_TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                  "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException"}
-# What a refused spec looks like once Ray has flattened the exception into text (an actor whose
-# constructor raised keeps only the formatted traceback, not the exception object).
-_FLATTENED = re.compile(r"\b(?:deepinfer\.pipeline\.errors\.)?(SpecError|InputError|OutputPathError): "
-                        r"([^\n]*(?:\n  [^\n]*)*)")
+# What one of deepinfer's errors looks like once Ray has flattened it into text (the traceback line
+# "deepinfer.pipeline.errors.Name: message", a message's continuation lines indented).
+_FLATTENED = re.compile(r"\bdeepinfer\.pipeline\.errors\.(\w+): ([^\n]*(?:\n  [^\n]*)*)")
 
 
 def s3_code(exc: BaseException) -> tuple[str, int] | None:
@@ -70,10 +69,16 @@ def must_fix(e: BaseException) -> str | None:
     if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)) \
             and e.errno in _PERMANENT_ERRNOS:
         return f"{type(e).__name__}: {what}"
-    match = _FLATTENED.search(str(e)) if type(e).__module__.startswith("ray") else None
-    if match is not None:
-        return f"{match.group(1)}: {match.group(2)}"
     return None
+
+
+def flattened_error(e: BaseException) -> tuple[str, str] | None:
+    """(class name, message) of the last of deepinfer's errors in the text of Ray wrapper `e` (the one
+    deepinfer's code raised last, when one wraps another), or None."""
+    if not type(e).__module__.startswith("ray"):
+        return None
+    matches = _FLATTENED.findall(str(e))
+    return (matches[-1][0], matches[-1][1]) if matches else None
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -147,6 +147,35 @@ def test_refused_spec_inside_a_ray_actor_exits_2() -> None:
     assert again.problems == ["a.b: bad"]
 
 
+# The text Ray Data 2.60 gives the driver for an exception raised in a UDF: the user exception survives
+# only in the traceback text (its UserCodeException wrapper is pickled without __cause__).
+_UDF_TEXT = ("ray::MapWorker(MapBatches(NodeEngineActor)).submit()\nTraceback (most recent call last):\n"
+             '  File "pipeline/stages/generate.py", line 212, in generate_part\n{error}\n\n'
+             "The above exception was the direct cause of the following exception:\n\n"
+             "ray.exceptions.UserCodeException: UDF failed to process a data block.")
+
+
+@pytest.mark.parametrize("error, expected, words", [
+    ("deepinfer.pipeline.errors.NumericsMismatch: engine a@b: the job's committed parts were computed "
+     "with [x]", 4, "committed parts were computed with [x]"),
+    ("deepinfer.pipeline.errors.RetryableError: part 00001: this writer's lease went stale", 75,
+     "retryable failure: part 00001: this writer's lease went stale"),
+    ("OSError: [Errno 5] boom\n\nThe above exception was the direct cause of the following exception:\n\n"
+     "deepinfer.pipeline.errors.RetryableStorageError: writing s3://b/out timed out", 75, "timed out"),
+    ("deepinfer.pipeline.errors.FingerprintMismatch: output s3://b/out holds another job (different "
+     "fingerprint):\n  - sampling.seed: 1 -> 2", 4, "holds another job: output s3://b/out"),
+    ("deepinfer.pipeline.errors.SpecError: invalid job spec:\n  model: pickle checkpoints are refused", 2,
+     "pickle checkpoints are refused"),
+    ("ValueError: not one of ours", 1, "unexpected error"),
+])
+def test_a_job_error_raised_inside_a_ray_data_udf_keeps_its_exit_code(error, expected, words) -> None:
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    wrapper = ray_exceptions.UserCodeException("UDF failed to process a data block.")
+    task_error = ray_exceptions.RayTaskError("MapWorker.submit", _UDF_TEXT.format(error=error), wrapper)
+    code, message = classify_exception(task_error.as_instanceof_cause())
+    assert (int(code), words in message) == (expected, True), message
+
+
 @pytest.mark.parametrize("content, what", [
     (b"", "empty"), (b"PAR1", "truncated"), (b"this is not parquet at all", "not parquet"),
 ])

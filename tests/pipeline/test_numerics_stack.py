@@ -209,3 +209,18 @@ def test_a_fast_mode_resume_on_another_stack_goes_on_and_says_so(tmp_path, tiny_
     status = job_status(url)
     assert status["numerics"] == sorted([here, OTHER])
     assert here in render_status(status) and OTHER in render_status(status)
+
+
+def test_ray_engines_refuse_an_output_started_on_another_stack(tmp_path, tiny_checkpoint, shared_ray) -> None:
+    spec = _job(tmp_path, tiny_checkpoint("llama"), deterministic=True)
+    url = str(tmp_path / "out")
+    _killed_after_one_part(spec, url)
+    record = Path(url) / NUMERICS_FILE  # as if the run that committed the part had run on a GPU node
+    record.write_text(json.dumps({"numerics": THERE}))
+    before = _committed(url)
+    ray = {"RAY_ADDRESS": shared_ray.start()}
+    code, _, err = submit(spec, url, "--set", "runtime.executor=ray", env=ray)
+    assert code == 4, err[-3000:]
+    refused = r"engine \S+@\w+: the job's committed parts were computed with " + re.escape(f"[{THERE}]")
+    assert re.search(refused, err), err[-3000:]  # an engine actor refused, before generating
+    assert _committed(url) == before
