@@ -39,6 +39,15 @@ def test_the_stack_names_the_device_architecture_and_software() -> None:
     assert stack == numerics_stack(torch.device("cpu"))  # a pure function of the machine
 
 
+@pytest.mark.gpu
+def test_a_cuda_stack_names_the_architecture_and_the_compilers() -> None:
+    stack = numerics_stack(torch.device("cuda"))
+    major, minor = torch.cuda.get_device_capability()
+    assert stack.startswith(f"cuda sm_{major}{minor}, torch {torch.__version__}, cuda {torch.version.cuda}, "
+                            "triton "), stack
+    assert not stack.endswith("triton none"), stack  # the GPU engine's kernels are Triton's
+
+
 def _store(tmp_path: Path, deterministic: bool = True) -> tuple[OutputStore, list]:
     parts, record = H.job()
     record = make_job_record({"model": {"deterministic": deterministic}}, record["fingerprint"], parts,
