@@ -104,6 +104,13 @@ class NumericsMismatch(JobError):
     exit_code = ExitCode.OTHER_JOB
 
 
+class MustFix(JobError):
+    """A failure a person must fix, classified where it happened (a Ray worker: worker_errors.py): exit 2
+    with the classifier's message."""
+
+    exit_code = ExitCode.USAGE
+
+
 class ErrorBudgetExceeded(JobError):
     """More rows failed than ``max_error_fraction`` allows (exit 3, after committing what succeeded)."""
 

@@ -40,6 +40,7 @@ from deepinfer.pipeline.parts import PartTask, tasks_table
 from deepinfer.pipeline.stages import columns as C
 from deepinfer.pipeline.stages.packed_parts import unpack_parts
 from deepinfer.pipeline.stages.plan import EngineActor, StagePlan, prepare_batch
+from deepinfer.pipeline.worker_errors import in_worker
 
 if TYPE_CHECKING:
     import ray.data
@@ -327,6 +328,7 @@ class NodeEngineActor(EngineActor):
     since simulated or containerised nodes may share one hostname. With a `target` it commits each part
     it generated (output/worker_commit.py) and returns the part's report instead of its rows."""
 
+    @in_worker
     def __init__(self, plan: StagePlan, target: CommitTarget | None = None) -> None:
         super().__init__(plan)
         import ray
@@ -339,6 +341,7 @@ class NodeEngineActor(EngineActor):
             self.committer = PartCommitter(target, self.stage.engine_id)
         self.stage.mark_ready()
 
+    @in_worker
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = unpack_parts(batch, C.TOKENIZE_SCHEMA)
         if self.committer is None:

@@ -35,6 +35,7 @@ from deepinfer.pipeline.parts import PartTask, tasks_from_table, tasks_table
 from deepinfer.pipeline.stages import columns as C
 from deepinfer.pipeline.stages.packed_parts import pack_parts, unpack_parts
 from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
+from deepinfer.pipeline.worker_errors import in_worker
 
 TAG_SEP = "|"  # never in a part id (parts.PART_ID_RE) nor in a point key (sweep_run uses indices)
 
@@ -52,6 +53,7 @@ def split_tag(tagged: str) -> tuple[str, str]:
     return key, part_id
 
 
+@in_worker
 def prepare_point_batch(batch: pa.Table, plans: Mapping[str, StagePlan]) -> pa.Table:
     """Ray Data task stage: tagged PART_TASK_SCHEMA rows -> one packed row of tokenized rows per part,
     each prepared with its point's plan (the tag stays in __part for the engine and the driver)."""
@@ -81,6 +83,7 @@ class SweepEngineActor:
     summary names the engines that served it: one pool for the group shows as the same ids in every point.
     """
 
+    @in_worker
     def __init__(self, plans: Mapping[str, StagePlan]) -> None:
         import ray
         from deepinfer.pipeline.stages.generate import EngineCache
@@ -93,6 +96,7 @@ class SweepEngineActor:
             stage.engine_id = f"{stage.engine_id}@{node}"
             self.stages[key] = (stage, plan.batch_size)
 
+    @in_worker
     def __call__(self, batch: pa.Table) -> pa.Table:
         batch = unpack_parts(batch, C.TOKENIZE_SCHEMA)
         results = []

@@ -25,6 +25,7 @@ from deepinfer.pipeline.stages.prompt import (
     model_max_len,
     read_part_table,
 )
+from deepinfer.pipeline.worker_errors import in_worker
 
 
 def resolve_model_dir(model_ref: str) -> str:
@@ -130,6 +131,7 @@ def prepare_part(plan: StagePlan, task: PartTask) -> pa.Table:
     return pa.concat_tables(windows) if windows else C.TOKENIZE_SCHEMA.empty_table()
 
 
+@in_worker
 def prepare_batch(batch: pa.Table, plan: StagePlan) -> pa.Table:
     """Ray Data task stage: PART_TASK_SCHEMA rows (one per part) -> one packed row per part, holding its
     tokenized rows (stages/packed_parts.py: what keeps a part whole on its way to an engine)."""
@@ -140,9 +142,11 @@ class EngineActor:
     """Ray Data actor stage: one engine; each call receives whole parts (packed rows, as prepare_batch
     writes them) and returns their results."""
 
+    @in_worker
     def __init__(self, plan: StagePlan) -> None:
         self.stage = plan.engine_stage()
         self.batch_size = plan.batch_size
 
+    @in_worker
     def __call__(self, batch: pa.Table) -> pa.Table:
         return self.stage.generate_part(unpack_parts(batch, C.TOKENIZE_SCHEMA), self.batch_size)
