@@ -241,3 +241,13 @@ def job_metrics(spec: EvalSpec, rows: Any, error_rows: int) -> dict[str, Any]:
             entry["groups"] = {g: summarize(v) for g, v in sorted(by.items())}
         out["metrics"][m.name] = entry
     return out
+
+
+def write_metrics(spec: EvalSpec, store: Any) -> None:
+    """metrics.json of an `eval:` job from the committed parts of `store` (output/job_store.JobStore),
+    written before _SUCCESS (so a complete job always has it, the same bytes however the run went)."""
+    from deepinfer.pipeline.output import storage
+    from deepinfer.pipeline.output.layout import METRICS_FILE, dumps
+
+    metrics = job_metrics(spec, store.store.read_committed(), store.committed_error_rows())
+    storage.write_atomic(store.store.fs, store.store.path(METRICS_FILE), dumps(metrics))

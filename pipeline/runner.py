@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 from deepinfer.pipeline.errors import ErrorBudget, ExitCode, SpecError, classify_exception
+from deepinfer.pipeline.evaluation import write_metrics
 from deepinfer.pipeline.executors.engine_preload import EnginePreload, preload_for
 from deepinfer.pipeline.output.job_store import CommitOutcome, JobStore, failure_reason
 from deepinfer.pipeline.output.lease import ray_node
@@ -40,6 +41,7 @@ from deepinfer.pipeline.summary import RunStats, format_summary, nothing_to_do, 
 if TYPE_CHECKING:
     from deepinfer.pipeline.executors.choice import ExecutorChoice
     from deepinfer.pipeline.executors.ray_start import RayStarter
+    from deepinfer.pipeline.stages.generate import EngineCache
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class SubmitOptions:
     executor_choice: ExecutorChoice | None = None
     # A local run's engine preload when the caller started it (cli/main.py); None: run_job may start one.
     engine_preload: EnginePreload | None = None
+    # Engines already built for this local run (a --restart builds its engine before it deletes the old
+    # output: executors/local.engines_before_restart). None: the executor builds them.
+    engines: EngineCache | None = None
 
 
 def check_model(spec: JobSpec) -> str:
@@ -134,7 +139,8 @@ def _execute(spec: JobSpec, plan: StagePlan, parts: list[PartTask], options: Sub
         from deepinfer.pipeline.executors.local import run_local
 
         preload = options.engine_preload  # Triton's import then goes beside the model build
-        yield from run_local(plan, parts, on_imported=preload.engine_imported if preload else None)
+        yield from run_local(plan, parts, options.engines,
+                             on_imported=preload.engine_imported if preload else None)
         return
     from deepinfer.pipeline.executors.ray_data import EngineSettings, connect, run_ray
 
@@ -238,6 +244,10 @@ def _check_and_run(spec: JobSpec, options: SubmitOptions, stats: RunStats, start
                                      spec.input.storage_options, on_bad_file=spec.input.on_bad_file)
     parts = with_duplicates(tasks, duplicates) if duplicates else tasks
     record = duplicates if duplicates is not None and recordable(duplicates) else None
+    if options.restart and options.execute is None and spec.runtime.executor == "local":
+        from deepinfer.pipeline.executors.local import engines_before_restart
+
+        options = replace(options, engines=options.engines or engines_before_restart(spec))
     store = JobStore.open(spec, listing, planned, model_dir, restart=options.restart, duplicates=record)
     stats.clock.mark("output_opened")
     try:
@@ -297,7 +307,7 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
     validate_summary(summary)
     if exit_code == 0:
         if spec.eval is not None:  # from the committed parts: the same bytes however the run went
-            write_metrics(spec, store)
+            write_metrics(spec.eval, store)
         store.write_success(summary)
     _report(summary, options)
     if exit_code == ExitCode.BUDGET:
@@ -305,16 +315,6 @@ def _run_job(spec: JobSpec, options: SubmitOptions, store: JobStore, parts: list
               f"quarantined, more than runtime.max_error_fraction={spec.runtime.max_error_fraction}; "
               f"see errors/ under {spec.output.path}", file=sys.stderr)
     return exit_code
-
-
-def write_metrics(spec: JobSpec, store: JobStore) -> None:
-    """metrics.json of an `eval:` job, written before _SUCCESS (so a complete job always has it)."""
-    from deepinfer.pipeline.evaluation import job_metrics
-    from deepinfer.pipeline.output import storage
-    from deepinfer.pipeline.output.layout import METRICS_FILE, dumps
-
-    metrics = job_metrics(spec.eval, store.store.read_committed(), store.committed_error_rows())
-    storage.write_atomic(store.store.fs, store.store.path(METRICS_FILE), dumps(metrics))
 
 
 def commit_target(ctx: RunContext) -> CommitTarget:

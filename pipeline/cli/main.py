@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", metavar="RAY_ADDRESS",
                    help="attach to this Ray cluster (default: $RAY_ADDRESS, else start a local Ray)")
     p.add_argument("--restart", action="store_true",
-                   help="discard the committed output of this output path and start from scratch")
+                   help="discard the committed output of this output path and start from scratch (the "
+                        "in-process executor builds its engine first: a refused model setting keeps it)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show Ray's logs and progress bars, and tracebacks of unexpected errors")
 

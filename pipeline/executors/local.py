@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pyarrow as pa
 from deepinfer.pipeline.executors.prefetch import PartPrefetcher
 from deepinfer.pipeline.parts import PartTask
+from deepinfer.pipeline.spec.load import JobSpec
 from deepinfer.pipeline.stages.generate import EngineCache
 from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
@@ -68,3 +69,19 @@ def run_local(plan: StagePlan, parts: Sequence[PartTask], engines: EngineCache |
         prepared.release()  # (already, as a rule: EngineStage calls it before building)
         for _ in parts:
             yield engine.generate_part(prepared.next_part(), plan.batch_size)
+
+
+def engines_before_restart(spec: JobSpec) -> EngineCache | None:
+    """This local run's engine, built now when `spec`'s output holds a job that --restart is about to
+    delete: an engine that refuses its configuration (SpecError, exit 2) then fails while the old output
+    is still whole, not after it was deleted. None when there is nothing to delete or no model runs (a
+    Ray run's engines start in their actors, after the output is opened: there --restart deletes first)."""
+    from deepinfer.pipeline.output import storage
+    from deepinfer.pipeline.output.layout import JOB_FILE
+
+    fs, root = storage.open_fs(spec.output.path, spec.output.storage_options)
+    if spec.runtime.benchmark_stub_engine or storage.read_bytes(fs, storage.join(root, JOB_FILE)) is None:
+        return None
+    plan, engines = StagePlan.from_spec(spec), EngineCache()
+    engines.get(plan.model_ref, plan.engine_kwargs)
+    return engines

@@ -74,10 +74,16 @@ class EngineCache:
         self.builds = 0
 
     def get(self, model_ref: str, engine_kwargs: dict[str, Any]) -> Any:
-        """The cached LLM of these settings, built on first use."""
+        """The cached LLM of these settings, built on first use; an engine that refuses its settings
+        (ValueError) raises SpecError (exit 2) naming what it refused."""
+        from deepinfer.pipeline.errors import SpecError
+
         key = json.dumps([model_ref, engine_kwargs], sort_keys=True, default=str)
         if key not in self._engines:
-            self._engines[key] = _build_llm(model_ref, engine_kwargs)
+            try:
+                self._engines[key] = _build_llm(model_ref, engine_kwargs)
+            except ValueError as exc:  # the engine names what to change in the spec's model section
+                raise SpecError([f"model: the engine refused its configuration: {exc}"]) from exc
             self.builds += 1
         return self._engines[key]
 
@@ -120,7 +126,6 @@ class EngineStage:
                  job_seed: int, output_schema: dict | None, stub: bool = False, schema_mode: str = "strict",
                  batch_input: bool = False, engines: EngineCache | None = None,
                  on_imported: Callable[[], None] | None = None, numerics: str | None = None) -> None:
-        from deepinfer.pipeline.errors import SpecError
         from deepinfer.pipeline.stages.engine_rows import RowRequests
         from deepinfer.pipeline.summary import process_started_epoch
 
@@ -132,10 +137,7 @@ class EngineStage:
         self.marks["imported"] = time.time()
         if on_imported is not None:  # the imports (GIL-bound) are done; the model build is mostly native
             on_imported()
-        try:
-            self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
-        except ValueError as exc:  # the engine names what to change in the spec's model section
-            raise SpecError([f"model: the engine refused its configuration: {exc}"]) from exc
+        self.llm = StubLLM() if stub else (engines or EngineCache()).get(model_ref, engine_kwargs)
         # the LLM's own construction phases (allocated, weights_loaded, kv_allocated), when it has them
         self.marks.update(getattr(self.llm, "startup_marks", None) or {})
         self.sampling_kwargs, self.job_seed = dict(sampling_kwargs), job_seed

@@ -10,6 +10,7 @@ sequential path's (ahead=0).
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -167,6 +168,22 @@ def test_an_engine_that_refuses_its_configuration_exits_2(tmp_path, model_dir, c
     err = capsys.readouterr().err
     assert "model: the engine refused its configuration" in err and "CUDA is not available" in err
     assert not _committed(tmp_path / "out") and not _prepare_threads()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_restart_whose_engine_refuses_its_configuration_keeps_the_old_output(tmp_path, model_dir,
+                                                                              capsys) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out"
+    write_jsonl(inp, [{"text": f"row {i}"} for i in range(6)])
+    spec = write_spec(tmp_path / "job.yaml", _doc(model_dir, inp, out))
+    assert main(["submit", spec]) == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["submit", spec, "--restart", "--set", "model.device=cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before  # refused before --restart deleted anything: still the complete old job
+    assert main(["submit", spec, "--restart", "--set", "sampling.seed=4"]) == 0  # a restart that can run
+    assert json.loads((out / "_job.json").read_text())["spec"]["sampling"]["seed"] == 4
 
 
 def test_prefetcher_refuses_no_look_ahead() -> None:

@@ -27,7 +27,8 @@ CASES = [
     (TimeoutError("read timed out"), 75, "read timed out"),
     (PermissionError(errno.EACCES, "Permission denied", "s3://bucket/in/a.jsonl"), 2, "permission denied"),
     (MemoryError(), 2, "out of memory"),
-    (NumericsMismatch("engine e@n: the job's committed parts were computed with [x]"), 4, "computed with [x]"),
+    (NumericsMismatch("engine e@n: the job's committed parts were computed with [x]"), 4,
+     "computed with [x]"),
     (SpecError(["model: the engine refused its configuration: no GPU"]), 2, "no GPU"),
     (KeyError("a bug"), 1, "unexpected error"),
 ]
