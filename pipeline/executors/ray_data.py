@@ -108,8 +108,10 @@ def connect(address: str | None, verbose: bool) -> RaySession:
         address = address or os.environ.get("RAY_ADDRESS") or None
         level = logging.INFO if verbose else logging.ERROR
         with _quiet_stderr(not verbose):
-            ray.init(address=address, logging_level=level, log_to_driver=verbose, include_dashboard=False,
-                     configure_logging=True)
+            # "local": no address means a Ray of this run's own, as attaches_to_cluster says; left None,
+            # Ray would attach to a cluster a `ray start` left on this machine (its address file).
+            ray.init(address=address or "local", logging_level=level, log_to_driver=verbose,
+                     include_dashboard=False, configure_logging=True)
         owned = address is None
     configure_data_context(verbose)
     resources = ray.cluster_resources()

@@ -34,7 +34,10 @@ class LocalRay:
                 pytest.skip("this process is attached to a Ray instance the test suite did not start")
             # Workers inherit this process's environment as of now: tests that change it for workers need
             # a Ray of their own.
-            ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+            # "local": a Ray of its own, even where another cluster's processes or address file are left
+            # on the machine (Ray would attach to those and refuse num_cpus).
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR,
+                     log_to_driver=False)
             self._running = True
         return ray.get_runtime_context().gcs_address
 
