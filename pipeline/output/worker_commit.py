@@ -35,7 +35,7 @@ from deepinfer.pipeline.stages import columns as C
 REPORT_SCHEMA = C.ENGINE_SCHEMA.append(pa.field("__commit", pa.string()))
 # What the driver counts of a committed part's rows (RunStats.add_batch, PartCollector, error counts).
 _KEPT = frozenset({"__part", "__file", "__row", "__err_stage", "__err_code", "__plen", "__ntok", "__engine",
-                   "__gen_s", "__t_first", "__spec"})
+                   "__gen_s", "__t_first", "__spec", "__numerics"})
 
 
 @dataclass(frozen=True)

@@ -127,9 +127,9 @@ class EngineStage:
                  batch_input: bool = False, engines: EngineCache | None = None,
                  on_imported: Callable[[], None] | None = None, numerics: str | None = None) -> None:
         from deepinfer.pipeline.stages.engine_rows import RowRequests
-        from deepinfer.pipeline.summary import process_started_epoch
+        from deepinfer.pipeline.startup_clock import process_started_epoch
 
-        # Start-up marks (epochs) for the run summary's `startup` (summary.StartupClock): this process's
+        # Start-up marks (epochs) for the run summary's `startup` (startup_clock.StartupClock): this process's
         # start, this constructor, the engine package imported (torch), the model built, ready (mark_ready).
         self.marks: dict[str, float | None] = {"process": process_started_epoch(), "init": time.time()}
         if not stub:
@@ -306,7 +306,7 @@ class EngineStage:
 
 def with_timing(table: pa.Table, timing: dict[str, Any]) -> pa.Table:
     """`table` with `timing` added under "timing" to the `__spec` JSON of its first row (merged with the
-    MTP figures already there): how per-part engine figures reach the driver (summary.StartupClock)."""
+    MTP figures already there): how per-part engine figures reach the driver (startup_clock.StartupClock)."""
     if table.num_rows == 0 or "__spec" not in table.schema.names:
         return table
     index = table.schema.get_field_index("__spec")

@@ -174,10 +174,12 @@ def test_a_deterministic_resume_on_another_stack_exits_4_before_generating(tmp_p
                                                                            tiny_checkpoint) -> None:
     spec = _job(tmp_path, tiny_checkpoint("llama"), deterministic=True)
     reference, url = str(tmp_path / "reference"), str(tmp_path / "out")
-    code, _, err = submit(spec, reference)
+    code, out, err = submit(spec, reference, "--summary-json", str(tmp_path / "summary.json"))
     assert code == 0, err[-3000:]
     here = json.loads((Path(reference) / NUMERICS_FILE).read_text())["numerics"]
     assert here == numerics_stack(torch.device("cpu"))
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the run summary names it too
+    assert [e["numerics"] for e in summary["engines"]] == [here] and f"numerics  {here}" in out
     before = _killed_after_one_part(spec, url)
 
     code, _, err = submit(spec, url, numerics=OTHER)
@@ -233,3 +235,10 @@ def test_ray_engines_refuse_an_output_started_on_another_stack(tmp_path, tiny_ch
     refused = r"engine \S+@\w+: the job's committed parts were computed with " + re.escape(f"[{THERE}]")
     assert re.search(refused, err), err[-3000:]  # an engine actor refused, before generating
     assert _committed(url) == before
+    here = numerics_stack(torch.device("cpu"))
+    record.write_text(json.dumps({"numerics": here}))  # back where it started: the actors resume it
+    summary = tmp_path / "summary.json"
+    code, _, err = submit(spec, url, "--set", "runtime.executor=ray", "--summary-json", str(summary), env=ray)
+    assert code == 0, err[-3000:]
+    assert {e["numerics"] for e in json.loads(summary.read_text())["engines"]} == {here}
+    assert {tuple(m["numerics"]) for m in reader(url).read_markers().values()} == {(here,)}

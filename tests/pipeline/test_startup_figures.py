@@ -1,4 +1,4 @@
-"""The run summary's `startup` figures (summary.StartupClock): where a run's fixed cost goes.
+"""The run summary's `startup` figures (startup_clock.StartupClock): where a run's fixed cost goes.
 
 Engine figures ride to the driver on the first row of each part's `__spec` JSON (generate.with_timing),
 merged with the MTP figures already there; the driver sums them and reports marks as seconds since the

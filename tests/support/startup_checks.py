@@ -1,5 +1,5 @@
-"""What every run summary's `startup` figures must satisfy (summary.StartupClock), for the tests that run
-jobs: present, and in the order the phases happen."""
+"""What every run summary's `startup` figures must satisfy (startup_clock.StartupClock), for the tests
+that run jobs: present, and in the order the phases happen."""
 
 from __future__ import annotations
 
