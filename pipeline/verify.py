@@ -43,6 +43,7 @@ class CommittedRow:
     row_id: str
     fields: dict[str, Any]
     sample: int | None = None  # sample_index of a row of sampling.n > 1 (one committed row per sample)
+    numerics: tuple[str, ...] = ()  # the stacks its part was computed with (its marker's "numerics")
 
 
 @dataclass
@@ -86,9 +87,10 @@ def read_committed_rows(reader: OutputReader, id_column: str, report: VerifyRepo
                 report.problems.append(f"part {part_id}: {obj['path']} cannot be read as {marker['format']} "
                                        f"({why})")
                 continue
+            stacks = tuple(marker.get("numerics") or ())
             for values in table.to_pylist():
                 rows.append(CommittedRow(part_id, _canonical_id(values.get(id_column)), values,
-                                         values.get("sample_index")))
+                                         values.get("sample_index"), stacks))
     return rows
 
 
@@ -167,20 +169,21 @@ def _check_fingerprint(spec: JobSpec, record: dict, listing: list, report: Verif
 
 
 def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: list[CommittedRow],
-              numerics: dict[str, list[str]], notes: list[str],
+              notes: list[str],
               ) -> dict[tuple[str, str, int | None], tuple[dict[str, Any] | None, str | None]]:
     """(part id, row id, sample index or None) -> (recomputed output row decoded like a committed one, or
-    None and the error; a quarantined row is entered under sample None). `numerics`: each part's stacks
-    (its marker's); a note is added to `notes` when this machine's engine computes with another."""
+    None and the error; a quarantined row is entered under sample None). A note is added to `notes` when
+    this machine's engine computes with another numerics stack than the rows' parts were."""
+    from deepinfer.pipeline.output.numerics import bracketed
     from deepinfer.pipeline.runner import make_assembler
     from deepinfer.pipeline.stages.plan import StagePlan, prepare_part
 
     plan = StagePlan.from_spec(spec)
     assembler = make_assembler(spec, listing)
     engine = plan.engine_stage()
-    stacks = sorted({s for r in rows for s in numerics.get(r.part_id, [])})
+    stacks = sorted({s for r in rows for s in r.numerics})
     if engine.numerics is not None and any(s != engine.numerics for s in stacks):
-        notes.append(f"the sampled rows were computed with {'; '.join(f'[{s}]' for s in stacks)}, this "
+        notes.append(f"the sampled rows were computed with {bracketed(stacks)}, this "
                      f"machine computes with [{engine.numerics}]: a row that differs may differ for that "
                      "reason alone (deterministic output holds on one numerics stack)")
     wanted: dict[str, set[str]] = {}
@@ -225,8 +228,7 @@ def verify_output(url: str, sample: int, seed: int = 0, storage_options: dict | 
     if not report.sampled:
         return report
     tasks, listing = _job_tasks(spec, record, report)
-    stacks = {pid: list(m.get("numerics") or []) for pid, m in reader.read_markers().items()}
-    results = recompute(spec, tasks, listing, report.sampled, stacks, report.notes)
+    results = recompute(spec, tasks, listing, report.sampled, report.notes)
     for row in report.sampled:
         recomputed, error = results.get((row.part_id, row.row_id, row.sample),
                                         results.get((row.part_id, row.row_id, None),

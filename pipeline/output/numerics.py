@@ -12,8 +12,8 @@ run, and nothing would say so. Hence:
   commits, one wins and the other is compared with it);
 * in a deterministic job (model.deterministic, the default) a part whose rows come from another stack than
   the recorded one, or from several, is refused with NumericsMismatch (exit 4) before any of its objects
-  is written; and the driver hands the recorded stack to its engines, which refuse before generating
-  anything (stages/generate.py), so a resume on the wrong machine stops in seconds, not after a part;
+  is written; and the driver hands the recorded stack to its engines, which refuse once built, before
+  they generate anything (stages/generate.py), so a resume on the wrong machine wastes no part's work;
 * a fast-mode job promises no identical bytes: its parts may come from several stacks, which the markers
   and ``deepinfer-job status`` show.
 
@@ -34,7 +34,7 @@ from deepinfer.pipeline.errors import NumericsMismatch
 from deepinfer.pipeline.output import storage
 from deepinfer.pipeline.output.layout import NUMERICS_FILE, dumps
 
-__all__ = ["NUMERICS_FILE", "OutputNumerics", "enforced", "part_stacks", "refusal"]
+__all__ = ["NUMERICS_FILE", "OutputNumerics", "bracketed", "enforced", "part_stacks", "refusal"]
 COLUMN = "__numerics"
 
 
@@ -52,15 +52,19 @@ def part_stacks(rows: pa.Table) -> list[str]:
     return sorted(pc.unique(pc.drop_null(rows.column(COLUMN))).to_pylist())
 
 
+def bracketed(stacks: Sequence[str]) -> str:
+    """Stacks as messages show them: each in brackets (a stack's line holds commas), '; ' between."""
+    return "; ".join(f"[{s}]" for s in stacks)
+
+
 def refusal(recorded: str, found: Sequence[str], where: str) -> NumericsMismatch:
     """The error for `found` stacks meeting an output whose parts were computed with `recorded`."""
-    shown = "; ".join(f"[{s}]" for s in found)
     return NumericsMismatch(
         f"{where}: the job's committed parts were computed with [{recorded}], but this run computes with "
-        f"{shown}. A deterministic job's parts must all come from one numerics stack (device kind and "
-        "architecture, torch, CUDA and Triton versions), or the output would match neither machine's "
-        "uninterrupted run. Resume it where that stack is, or pass --restart to compute the whole output "
-        "again here")
+        f"{bracketed(found)}. A deterministic job's parts must all come from one numerics stack (device "
+        "kind and architecture, torch, CUDA and Triton versions), or the output would match neither "
+        "machine's uninterrupted run. Resume it where that stack is, or pass --restart to compute the whole "
+        "output again here")
 
 
 class OutputNumerics:
@@ -90,9 +94,9 @@ class OutputNumerics:
             return
         where = f"output {self.url}, part {part_id}"
         if self.enforce and len(stacks) > 1:
-            raise NumericsMismatch(f"{where}: its rows come from engines with different numerics stacks ("
-                                   + "; ".join(f"[{s}]" for s in stacks) + "), so they would not be the "
-                                   "bits of one machine; run a deterministic job's engines on one stack")
+            raise NumericsMismatch(f"{where}: its rows come from engines with different numerics stacks "
+                                   f"({bracketed(stacks)}), so they would not be the bits of one machine; "
+                                   "run a deterministic job's engines on one stack")
         if self.recorded() is None and storage.put_if_absent(self.fs, self.path,
                                                              dumps({"numerics": stacks[0]})):
             self._stack = stacks[0]
