@@ -55,7 +55,9 @@ ARM_SWITCHES = {"nopg": ("DEEPINFER_DISABLE_PREFILL_GRAPHS", "prefill steps eage
                 "queued": ("DEEPINFER_QUEUE_ALL_REQUESTS", "every request built before the first step"),
                 "reduce": ("DEEPINFER_DISABLE_SPLIT_SUM_IN_NORM",
                            "split-K partials reduced in their own kernel, not in the next RMSNorm"),
-                "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened")}
+                "noflat": ("DEEPINFER_DISABLE_GEMM_FLATTEN", "persistent GEMM tile loops not flattened"),
+                "eagersplit": ("DEEPINFER_EAGER_SPLIT_PREFILL",
+                               "prefill steps with split-KV rows eager (no split prefill graphs)")}
 # Arm suffixes that move paged attention's split-KV threshold (kernels/paged_attention.SPLIT_FROM, 1,024) for
 # the arm, where the shape's tiles split at all: an A/B of a layout change before it ships. Rows past the
 # threshold change their bits, so such an arm's tokens are compared with its own first run only.
@@ -229,7 +231,8 @@ def main() -> None:
                     help="arms: deterministic, fast, hf; +nopg (eager prefill), +plaingc (default GC), "
                          "+nopdl (no PDL), +nosk (torch sampler), +queued (no request feed), "
                          "+reduce (split-K reduced apart from the norm), +noflat (GEMM tile loops not "
-                         "flattened), +split512 / +split256 (split-KV from 512 / 256 positions), "
+                         "flattened), +eagersplit (prefill steps with split-KV rows eager), "
+                         "+split512 / +split256 (split-KV from 512 / 256 positions), "
                          "+nosplit (none), +topp (top-k 50 / top-p 0.95 sampling), "
                          "+pen (repetition / presence / frequency penalties), +pf (presence / frequency)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per arm, after one warm-up run")

@@ -41,8 +41,9 @@ class AttentionMetadata:
     # store nothing. None (and whenever max_query_len == 1): the kernel builds its plan from the host lengths.
     prefill_plan: torch.Tensor | None = None
     plan_block_q: int = 0
-    # With decode_plan (a CUDA-graph decode step): whether the graph was captured for rows long enough to
-    # split their keys (kernels/paged_attention.py, SPLIT_FROM): the split form's static launches.
+    # With decode_plan or prefill_plan (a CUDA-graph step): whether the graph was captured for rows long
+    # enough to split their keys (kernels/paged_attention.py, SPLIT_FROM): a decode step's static split
+    # launches, a prefill step's programs that merge their rows' ranges (MERGE_IN_PLACE tiles only).
     split_kv: bool = False
 
     @property

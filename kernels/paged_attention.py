@@ -42,7 +42,9 @@ Why a token's output bits never depend on scheduling (prefill chunk, decode, pre
   same online softmax), and the ranges' states are merged in increasing order by split_combine's
   `merge_state`. A decode step runs each range in its own program and merges in kernels/split_combine.py
   (host plan, or the CUDA graphs' static plan); a prefill or mixed step's program runs a row's ranges one
-  after another and merges as it goes (kernels/paged_attention_kernel.py). Both are the same arithmetic,
+  after another and merges as it goes (kernels/paged_attention_kernel.py; MERGE_IN_PLACE tiles, host plan
+  or a prefill graph's static one), or, on the other tiles, runs split programs and the combine from a
+  host plan (such steps never take a prefill graph). Both are the same arithmetic,
   so the argument above holds per range. A row below SPLIT_FROM takes one range: the arithmetic of the
   one-program form, which every step without a split row still launches.
 """
@@ -104,7 +106,8 @@ _PLAN_ATTR = "_paged_attention_plans"
 # prefill on a bf16 cache with 64-dim heads (the split programs cost 0.59-0.61x there), and a 64 x 4,096 ->
 # 128 job on the 0.5B shape ran 8% faster than without split-KV. The one- and two-warp DOT_SUM tiles cannot
 # hold the running merge's second accumulator (they spill, or at four warps ran at 0.40-0.51x), so their
-# prefill rows keep the split programs and the combine (e4m3 caches: 0.78-0.95x). On by default (the tile
+# prefill rows keep the split programs and the combine (e4m3 caches: 0.78-0.95x; a 64 x 4,096 -> 128 job on
+# the 8B shape's e4m3 cache ran 5% slower than without split-KV, H100, 2026-12-05). On by default (the tile
 # config's SPLIT) where the split form compiled for sm_90 keeps its key loop free of spills; off for a
 # 16-bit cache with 128-dim heads (the 8B shape), whose one-warp decode tile spills inside that loop at its
 # 3 stages in the split form and not at 2 (RESULTS.md, 2026-12-04 19:20); forced on at 2 stages it shows
@@ -167,17 +170,14 @@ def attention_split_policy(cfg: dict[str, int]) -> SplitPolicy:
 
 
 def _needs_split(meta: AttentionMetadata, policy: SplitPolicy, block_n: int) -> bool:
-    """Whether the step has a row with several splits. A CUDA-graph decode step's host lengths are
-    placeholders: its capture decided (meta.split_kv); a CUDA-graph prefill step never splits (its runner
-    sends steps with long rows down the eager path); otherwise the longest row decides (split counts grow
-    with the position)."""
+    """Whether the step has a row with several splits. A CUDA-graph step's host lengths are placeholders:
+    its capture decided (meta.split_kv); otherwise the longest row decides (split counts grow with the
+    position)."""
     first = policy.split_from(block_n)
     if first is None:
         return False
-    if meta.static_decode:
+    if meta.static_decode or meta.static_prefill:
         return meta.split_kv
-    if meta.static_prefill:
-        return False
     return max(meta.seq_lens_cpu, default=0) - 1 >= first
 
 
@@ -236,6 +236,10 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     merge: dict[str, object] = {}
     if split is not None and _needs_split(meta, split, cfg["BLOCK_N"]):
+        if meta.static_prefill and not cfg.get("MERGE_IN_PLACE", 0):
+            # the split programs are planned from the rows' lengths, which a captured step does not have
+            raise ValueError("a CUDA-graph prefill step with split rows needs a tile config with "
+                             "MERGE_IN_PLACE (runner/prefill_graphs.py sends such steps down the eager path)")
         if meta.max_query_len == 1 or not cfg.get("MERGE_IN_PLACE", 0):   # a program per split, the combine
             launch = _SplitLaunch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, cfg, out, split)
             if meta.static_decode:

@@ -144,12 +144,14 @@ class StaticPrefillBuffers:
 
 
 def prefill_graph_metadata(buf: StaticPrefillBuffers, bucket: int, block_size: int,
-                           live: bool = False) -> AttentionMetadata:
+                           live: bool = False, split_kv: bool = False) -> AttentionMetadata:
     """The metadata a prefill graph of `bucket` tokens is captured with: views of the static buffers.
 
     Its host lengths are placeholders (live=False: the padding sequence holds every token), valid for the
     argument checks only: the CUDA kernels read the device tensors and the static plan. live=True takes
-    the host lengths of the step loaded last instead, for ops that read them (the CPU ops: stand-ins)."""
+    the host lengths of the step loaded last instead, for ops that read them (the CPU ops: stand-ins).
+    split_kv: the graph serves steps with rows past paged attention's split threshold (its programs merge
+    their rows' ranges: kernels/paged_attention.py)."""
     s = buf.max_seqs
     if live and buf.last is not None:
         query_lens, seq_lens = list(buf.last.query_lens), list(buf.last.seq_lens)
@@ -163,5 +165,5 @@ def prefill_graph_metadata(buf: StaticPrefillBuffers, bucket: int, block_size: i
         query_start_loc=buf.query_start_loc, seq_lens=buf.seq_lens, block_tables=buf.block_tables,
         block_size=block_size, max_query_len=max(2, max(query_lens)),
         max_seq_len=buf.block_tables.shape[1] * block_size, query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens, prefill_plan=plan, plan_block_q=buf.block_q or 0,
+        seq_lens_cpu=seq_lens, prefill_plan=plan, plan_block_q=buf.block_q or 0, split_kv=split_kv,
     )

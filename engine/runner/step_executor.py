@@ -218,6 +218,7 @@ def prefill_graph_stats(pg: PrefillGraphs | None) -> dict[str, float | int | lis
         "prefill_graphs_enabled": pg is not None and not pg.failed,
         "prefill_graph_steps": s.replays if s else 0,
         "prefill_graph_buckets": list(s.buckets) if s else [],
+        "prefill_graph_split_buckets": list(s.split_buckets) if s else [],
         "prefill_graph_capture_s": s.capture_seconds if s else 0.0,
         "prefill_graph_memory_bytes": s.memory_bytes if s else 0,
         "prefill_graph_padded_tokens": s.padded_rows if s else 0,

@@ -160,16 +160,32 @@ def test_split_kv_rows_keep_their_bits_in_graphs_and_batches(model, monkeypatch)
     """Paged attention's split-KV form (kernels/paged_attention.py) with its threshold lowered so these short
     requests cross it (rows from 128 positions on split: the plain family's 128-key tiles): outputs at
     batch sizes 1, 7, 64 are those of eager synchronous steps, with graphs (the decode buckets' split
-    graphs, prefill graphs leaving split steps to the eager path) and overlap on."""
+    graphs, the prefill buckets' split graphs: this tile merges a row's ranges in place) and overlap on."""
     monkeypatch.setattr("deepinfer.kernels.paged_attention.SPLIT_FROM", 64)
     sizes = (1, 7, 64)
     ref_llm = _llm(model, enable_cuda_graphs=False, async_scheduling=False)
     reference = {n: _outputs(ref_llm, n) for n in sizes}
+    long_reference = _long_prompt_outputs(ref_llm)
     del ref_llm
     llm = _llm(model)
     graphs = llm.engine.executor.graphs
     assert graphs.split_from == 128, graphs.split_from
     for n in sizes:
         assert _outputs(llm, n) == reference[n], f"split-KV rows differ in graphs at batch {n}"
+    assert _long_prompt_outputs(llm) == long_reference, "prompts past the split threshold differ in graphs"
     stats = llm.get_stats()
     assert stats["cuda_graph_split_buckets"] and stats["graph_steps"] > 0, stats
+    assert stats["prefill_graph_split_buckets"] and stats["prefill_graph_steps"] > 0, stats
+
+
+def _long_prompt_outputs(llm):
+    """Prompts of 129-400 tokens (prefill rows past a 128-position split threshold), more of them than the
+    engine's 64 slots so some are admitted next to decoding rows (mixed steps)."""
+    from deepinfer.engine import SamplingParams
+
+    rng = random.Random(7)
+    vocab = llm.model_config.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(129, 400))] for _ in range(72)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6, ignore_eos=True,
+                             logprobs=1) for i in range(72)]
+    return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -111,20 +111,47 @@ def test_prefill_graphs_are_cuda_only_and_can_be_switched_off(model_dir, monkeyp
         monkeypatch.delenv(switch)
 
 
-def test_steps_with_rows_past_the_split_threshold_take_the_eager_path(model_dir):
-    """Paged attention plans a step with split rows from the rows' lengths, which a captured prefill graph
-    cannot replay: such steps run eagerly, the others still take graphs, and the outputs keep their bits."""
+@pytest.mark.parametrize("split_graphs", [False, True])
+def test_steps_with_rows_past_the_split_threshold_take_split_graphs_or_run_eagerly(model_dir, split_graphs):
+    """A step with a row past the split threshold replays its bucket's split graph (metadata marked split_kv:
+    programs that merge their rows' ranges) where the prefill tile merges in place; on the other tiles the
+    kernel plans split programs from the rows' lengths, which a graph cannot replay, so the step runs
+    eagerly. The other steps take the plain graphs either way, and the outputs keep their bits."""
     llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=48,
               max_num_seqs=12)
     prompts, params = _requests(llm.model_config.vocab_size)
     eager = llm.generate(prompts, params, use_tqdm=False)
     graphs = _stand_in_graphs(llm, 8, 16)
-    graphs.split_from = 75   # rows end at 55..83 in these steps
+    graphs.split_from, graphs.split_graphs = 75, split_graphs   # rows end at 55..83 in these steps
     llm.engine.executor.prefill_graphs = graphs
-    seen = []
-    fits = graphs.fits
-    graphs.fits = lambda out: seen.append((max(s.start + s.num_new_tokens for s in out.scheduled),
-                                           fits(out))) or seen[-1][1]
+    seen, metas = [], []
+    fits, forward = graphs.fits, graphs._forward
+
+    def record_fits(out):   # (furthest position a prefill or mixed step reaches, whether it took a graph)
+        ok = fits(out)
+        if not is_decode_step(out):
+            seen.append((max(s.start + s.num_new_tokens for s in out.scheduled), ok))
+        return ok
+
+    graphs.fits = record_fits
+    graphs._forward = lambda bucket, split: metas.append(split) or forward(bucket, split)
     assert _view(llm.generate(prompts, params, use_tqdm=False)) == _view(eager)
-    assert graphs.stats.replays > 0
-    assert not any(ok for end, ok in seen if end > 75) and any(end > 75 for end, _ in seen)
+    assert graphs.stats.replays > 0 and graphs.stats.buckets
+    assert any(end > 75 for end, _ in seen) and any(ok for end, ok in seen if end <= 75)
+    assert all(ok == split_graphs for end, ok in seen if end > 75)
+    assert bool(graphs.stats.split_buckets) == split_graphs == (True in metas)
+    assert llm.get_stats()["prefill_graph_split_buckets"] == graphs.stats.split_buckets
+
+
+@pytest.mark.parametrize("env,split_graphs", [(None, True), ("1", False)])
+def test_split_graphs_follow_the_prefill_tile_and_can_be_switched_off(model_dir, monkeypatch, env,
+                                                                       split_graphs):
+    """make_prefill_graphs turns split graphs on where the prefill tile merges in place (the float32 tile
+    here), unless $DEEPINFER_EAGER_SPLIT_PREFILL=1."""
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", num_kv_blocks=64)
+    r = llm.engine.runner
+    if env is not None:
+        monkeypatch.setenv(prefill_graphs.EAGER_SPLIT_ENV, env)
+    monkeypatch.setattr(prefill_graphs, "graphs_supported", lambda model, device: True)
+    graphs = make_prefill_graphs(r.model, r.kv_caches, r.block_size, 64, 4, 64, torch.device("cpu"), True)
+    assert graphs.split_from is not None and graphs.split_graphs is split_graphs

@@ -148,33 +148,44 @@ def test_decode_and_prefill_match_reference(setup, split):
         assert row_err.max().item() < 2e-2, f"worst (token, head) relative error {row_err.max().item():.2e}"
 
 
-def test_static_prefill_plan_gives_the_host_plans_bits(setup):
+@pytest.mark.parametrize("split", [None, SMALL_SPLITS], ids=["default_splits", "small_splits"])
+def test_static_prefill_plan_gives_the_host_plans_bits(setup, split):
     """A step padded as a CUDA-graph prefill step (engine/runner/prefill_inputs.py: empty sequences, the
     padding sequence, the plan in a static buffer filled to capacity) gives its real rows the bits of the
-    same step on the host plan."""
+    same step on the host plan. Where the prefill tile merges a row's ranges in place, rows past the split
+    threshold too, in a graph captured for them (split_kv); on the other tiles the runner sends such steps
+    down the eager path (runner/prefill_graphs.py), so only rows that do not split are checked there."""
     from deepinfer.engine.runner.prefill_inputs import (
         StaticPrefillBuffers,
         pad_prefill,
         prefill_graph_metadata,
     )
-    from deepinfer.kernels.paged_attention import attention_tile_config, paged_attention
+    from deepinfer.kernels.paged_attention import (
+        attention_split_policy,
+        attention_tile_config,
+        paged_attention,
+    )
 
     s = setup
     lens = s["lens"]
-    # a mixed step: decode rows and chunks after a prefix; no row past SPLIT_FROM (the runner sends steps
-    # with split rows down the eager path: runner/prefill_graphs.py)
-    rows = [(b, n - 1, n) if b % 3 == 0 else (b, n // 3, n) for b, n in enumerate(lens) if n <= 1024]
-    eager, meta, qs = _step(s, rows)
+    hq, hkv, d = s["q"].shape[1], s["kc"].shape[2], s["q"].shape[2]
+    cfg = attention_tile_config(hq // hkv, d, torch.bfloat16, kv_fp8=s["ks"] is not None)
+    first = (split or attention_split_policy(cfg)).split_from(cfg["BLOCK_N"])
+    merge = bool(cfg["MERGE_IN_PLACE"]) and first is not None
+    # a mixed step: decode rows and chunks after a prefix
+    rows = [(b, n - 1, n) if b % 3 == 0 else (b, n // 3, n) for b, n in enumerate(lens)
+            if merge or first is None or n <= first]
+    eager, meta, qs = _step(s, rows, split=split)
+    split_kv = merge and max(ctx for _, _, ctx in rows) - 1 >= first
+    assert split_kv or not merge
     t = qs.shape[0]
-    hq, hkv, d = qs.shape[1], s["kc"].shape[2], qs.shape[2]
-    block_q = attention_tile_config(hq // hkv, d, qs.dtype, kv_fp8=s["ks"] is not None)["BLOCK_Q"]
     step = host_step_of(meta)
     for bucket, max_seqs in ((t, len(lens)), (t + 1000, 64)):
         width = meta.block_tables.shape[1]
-        buf = StaticPrefillBuffers(bucket, max_seqs, width, block_q, torch.device(DEV))
-        buf.load(pad_prefill(step, bucket, max_seqs, block_q))
+        buf = StaticPrefillBuffers(bucket, max_seqs, width, cfg["BLOCK_Q"], torch.device(DEV))
+        buf.load(pad_prefill(step, bucket, max_seqs, cfg["BLOCK_Q"]))
         qp = torch.randn(bucket, hq, d, device=DEV).to(qs.dtype)
         qp[:t] = qs
-        out = paged_attention(qp, s["kc"], s["vc"], prefill_graph_metadata(buf, bucket, BS), s["scale"],
-                              s["ks"], s["vs"])
+        graph_meta = prefill_graph_metadata(buf, bucket, BS, split_kv=split_kv)
+        out = paged_attention(qp, s["kc"], s["vc"], graph_meta, s["scale"], s["ks"], s["vs"], split=split)
         assert torch.equal(out[:t], eager), f"static plan (bucket {bucket}, {max_seqs} seqs) != host plan"
