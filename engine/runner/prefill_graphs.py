@@ -11,9 +11,10 @@ shape, 2.2-3.3 GB on the 8B, at 16k-token steps) and a capture per bucket on its
 A step fits when it is not a decode step (those take the decode graphs), its tokens fit the largest bucket
 and no request in it wants prompt logprobs (those need every position's hidden state). A step with a row
 past paged attention's split threshold replays its bucket's split graph, whose programs reduce and merge
-their rows' key ranges themselves, where the prefill tile does that (MERGE_IN_PLACE: 16-bit caches with
-heads below 128); on the other tiles its split programs are planned from the rows' lengths, which a graph
-cannot replay, so such a step runs eagerly ($DEEPINFER_EAGER_SPLIT_PREFILL=1: always, for A/B).
+their rows' key ranges themselves, where the prefill tile does that (MERGE_IN_PLACE: the plain four-warp
+tiles of a 16-bit cache with heads below 128, and float32); on the DOT_SUM tiles (e4m3 caches, 128-dim
+heads) its split programs are planned from the rows' lengths, which a graph cannot replay, so such a step
+runs eagerly ($DEEPINFER_EAGER_SPLIT_PREFILL=1: always, for A/B).
 
 Each bucket is captured the first time a step needs it, on that step's staged inputs: the warm-up writes
 the step's K/V at its own slots and the replay that follows writes the same values there before attention
