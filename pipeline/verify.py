@@ -183,9 +183,9 @@ def recompute(spec: JobSpec, tasks: dict[str, PartTask], listing: list, rows: li
     engine = plan.engine_stage()
     stacks = sorted({s for r in rows for s in r.numerics})
     if engine.numerics is not None and any(s != engine.numerics for s in stacks):
-        notes.append(f"the sampled rows were computed with {bracketed(stacks)}, this "
-                     f"machine computes with [{engine.numerics}]: a row that differs may differ for that "
-                     "reason alone (deterministic output holds on one numerics stack)")
+        notes.append(f"the sampled rows were computed with {bracketed(stacks)}, this machine computes "
+                     f"with {bracketed([engine.numerics])}: a row that differs may differ for that reason "
+                     "alone (deterministic output holds on one numerics stack)")
     wanted: dict[str, set[str]] = {}
     for r in rows:
         wanted.setdefault(r.part_id, set()).add(r.row_id)

@@ -60,11 +60,11 @@ def bracketed(stacks: Sequence[str]) -> str:
 def refusal(recorded: str, found: Sequence[str], where: str) -> NumericsMismatch:
     """The error for `found` stacks meeting an output whose parts were computed with `recorded`."""
     return NumericsMismatch(
-        f"{where}: the job's committed parts were computed with [{recorded}], but this run computes with "
-        f"{bracketed(found)}. A deterministic job's parts must all come from one numerics stack (device "
-        "kind and architecture, torch, CUDA and Triton versions), or the output would match neither "
-        "machine's uninterrupted run. Resume it where that stack is, or pass --restart to compute the whole "
-        "output again here")
+        f"{where}: the job's committed parts were computed with {bracketed([recorded])}, but this run "
+        f"computes with {bracketed(found)}. A deterministic job's parts must all come from one numerics "
+        "stack (device kind and architecture, torch, CUDA and Triton versions), or the output would match "
+        "neither machine's uninterrupted run. Resume it where that stack is, or pass --restart to compute "
+        "the whole output again here")
 
 
 class OutputNumerics:
